@@ -1,0 +1,255 @@
+"""Reading: manifest -> structural check -> memory-mapped tensors -> the checkpoint dict.
+
+* ``read_manifest`` parses and validates the manifest (the commit marker: no manifest, no checkpoint).
+* ``check_structure`` is the cheap check run on every load: every listed file present with its size.
+* ``verify`` recomputes every crc32 (and the manifest's own) on request.
+* ``load`` maps each shard privately (copy-on-write), so tensors are views of the page cache until
+  written; nothing but the tensors actually touched is read. Legacy single-file ``.ckpt`` files go
+  through ``torch.load`` as Lightning's ``TorchCheckpointIO`` would.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import mmap
+import os
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+from lightning_ckpt import manifest as fmt
+from lightning_ckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
+from lightning_ckpt.plan import contiguous_strides, decode_tree, format_key_path
+
+MapLocation = Union[None, str, torch.device, dict[str, str], Callable[..., Any]]
+_VERIFY_CHUNK = 16 * 2**20
+
+
+def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
+    return os.path.isdir(path)
+
+
+def read_manifest(path: str | os.PathLike[str]) -> fmt.Manifest:
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointNotFoundError(f"Checkpoint {path!r} does not exist.", path)
+    manifest_path = os.path.join(path, fmt.MANIFEST_FILE)
+    try:
+        with open(manifest_path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"{path!r} has no {fmt.MANIFEST_FILE}: it is not a committed lightning_ckpt checkpoint (an interrupted"
+            " save never commits one). Resume from an earlier checkpoint.",
+            path,
+        ) from None
+    try:
+        return fmt.Manifest.from_bytes(data, where=path)
+    except CorruptCheckpointError as err:
+        err.path = path
+        raise
+
+
+def check_structure(path: str, manifest: fmt.Manifest) -> None:
+    """Every file the manifest lists exists, is a regular file inside ``path`` and has its size."""
+    for name, record in manifest.files.items():
+        file_path = os.path.join(path, name)
+        try:
+            st = os.lstat(file_path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"{path!r}: file {name!r} listed in the manifest is missing; the checkpoint is incomplete.", path, name
+            ) from None
+        if not os.path.isfile(file_path) or os.path.islink(file_path):
+            raise CorruptCheckpointError(f"{path!r}: {name!r} is not a regular file; refusing to read it.", path, name)
+        if st.st_size != record.size:
+            raise CorruptCheckpointError(
+                f"{path!r}: file {name!r} is {st.st_size} bytes, the manifest says {record.size};"
+                " it is truncated or was modified.",
+                path,
+                name,
+            )
+
+
+def verify(path: str | os.PathLike[str]) -> fmt.Manifest:
+    """Full verification: structure plus every file's crc32. Raises on the first damaged file."""
+    path = os.fspath(path)
+    manifest = read_manifest(path)
+    check_structure(path, manifest)
+    buffer = bytearray(_VERIFY_CHUNK)
+    view = memoryview(buffer)
+    for name, record in manifest.files.items():
+        crc = 0
+        with open(os.path.join(path, name), "rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                crc = fmt.checksum(view[:n], crc)
+            _drop_cache(f.fileno())
+        if fmt.format_checksum(crc) != record.crc32:
+            raise CorruptCheckpointError(
+                f"{path!r}: checksum mismatch in {name!r} (expected {record.crc32}, found {fmt.format_checksum(crc)});"
+                " the file is corrupt. Resume from another checkpoint.",
+                path,
+                name,
+            )
+    return manifest
+
+
+def _drop_cache(fd: int) -> None:
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+
+
+@dataclass
+class _Shard:
+    data: torch.Tensor  # uint8 view of the whole file (private mapping)
+    data_start: int
+    entries: dict[str, fmt.HeaderEntry]
+
+
+def _open_shard(path: str, name: str) -> _Shard:
+    file_path = os.path.join(path, name)
+    with open(file_path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) == 8:
+            length = int.from_bytes(prefix, "little")
+            if length <= fmt.MAX_HEADER_BYTES and 8 + length <= size:
+                prefix += f.read(length)
+        try:
+            data_start, entries = fmt.parse_header(prefix, size, where=f"{path}/{name}")
+        except CorruptCheckpointError as err:
+            err.path, err.file = path, name
+            raise
+        # MAP_PRIVATE: writes (e.g. an optimizer step on a restored state) copy the page, never the file.
+        mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return _Shard(torch.frombuffer(mapped, dtype=torch.uint8), data_start, entries)
+
+
+def _device_for(location: str, map_location: MapLocation) -> torch.device:
+    """Where a tensor saved on ``location`` goes. ``None`` means CPU, as Lightning's CheckpointIO does."""
+    if map_location is None:
+        return torch.device("cpu")
+    if isinstance(map_location, (str, torch.device)):
+        return torch.device(map_location)
+    if isinstance(map_location, dict):
+        return torch.device(map_location.get(location, location))
+    if callable(map_location):
+        # torch.load semantics: fn(storage, location) -> storage or None (None: the saved location).
+        moved = map_location(torch.UntypedStorage(0), location)
+        return torch.device(location) if moved is None else moved.device
+    raise TypeError(f"`map_location` must be None, a str, a torch.device, a dict or a callable, got {map_location!r}")
+
+
+def load(
+    path: str | os.PathLike[str],
+    map_location: MapLocation = None,
+    weights_only: bool | None = None,
+    verify_checksums: bool = False,
+) -> dict[Any, Any]:
+    """Load a directory checkpoint written by lightning_ckpt (see ``lightning_ckpt.load_checkpoint``)."""
+    path = os.fspath(path)
+    manifest = verify(path) if verify_checksums else read_manifest(path)
+    if not verify_checksums:
+        check_structure(path, manifest)
+    with open(os.path.join(path, manifest.metadata_file), "rb") as f:
+        metadata = f.read()
+    record = manifest.files[manifest.metadata_file]
+    if fmt.format_checksum(fmt.checksum(metadata)) != record.crc32:
+        raise CorruptCheckpointError(
+            f"{path!r}: checksum mismatch in {manifest.metadata_file!r}; the metadata is corrupt.",
+            path,
+            manifest.metadata_file,
+        )
+    try:
+        tree = json.loads(metadata)
+    except ValueError as err:
+        raise CorruptCheckpointError(f"{path!r}: {manifest.metadata_file!r} is not valid JSON ({err}).", path) from err
+
+    shards: dict[str, _Shard] = {}
+    blobs: dict[tuple[str, str, str], torch.Tensor] = {}  # (file, blob, device) -> uint8 tensor
+
+    def blob_bytes(file: str, name: str, device: torch.device) -> torch.Tensor:
+        key = (file, name, str(device))
+        if key not in blobs:
+            if file not in shards:
+                shards[file] = _open_shard(path, file)
+            shard = shards[file]
+            entry = shard.entries.get(name)
+            if entry is None:
+                raise CorruptCheckpointError(f"{path!r}: tensor {name!r} is missing from {file!r}.", path, file)
+            data = shard.data[shard.data_start + entry.begin : shard.data_start + entry.end]
+            blobs[key] = data if device.type == "cpu" else data.to(device)
+        return blobs[key]
+
+    def tensor(index: int) -> torch.Tensor:
+        if not isinstance(index, int) or not 0 <= index < len(manifest.tensors):
+            raise CorruptCheckpointError(f"{path!r}: metadata references unknown tensor {index!r}.", path)
+        t = manifest.tensors[index]
+        dtype = getattr(torch, t.dtype)
+        raw = blob_bytes(t.file, t.blob, _device_for(t.device, map_location))
+        item = torch.empty((), dtype=dtype).element_size()
+        offset = t.byte_offset or 0
+        stride = tuple(t.stride) if t.stride is not None else contiguous_strides(t.shape)
+        span = 1 + sum((n - 1) * s for n, s in zip(t.shape, stride)) if all(t.shape) else 0
+        if offset < 0 or offset % item or offset + span * item > raw.numel():
+            raise CorruptCheckpointError(
+                f"{path!r}: tensor {format_key_path(t.path)} does not fit its data in {t.file!r}.", path, t.file
+            )
+        usable = raw[: raw.numel() - raw.numel() % item]
+        try:
+            typed = usable.view(dtype)
+        except RuntimeError:  # misaligned in a file not written by us: copy to aligned memory
+            typed = usable.clone().view(dtype)
+        result = typed.as_strided(t.shape, stride, typed.storage_offset() + offset // item)
+        if t.parameter:
+            result = torch.nn.Parameter(result, requires_grad=t.requires_grad)
+        elif t.requires_grad:
+            result.requires_grad_(True)
+        return result
+
+    def unpickle(data: bytes, at: tuple[Any, ...]) -> Any:
+        return _unpickle(data, at, path, map_location, weights_only)
+
+    try:
+        return decode_tree(tree, tensor, unpickle)
+    except (ValueError, KeyError, TypeError) as err:
+        raise CorruptCheckpointError(f"{path!r}: {manifest.metadata_file!r} is malformed ({err}).", path) from err
+
+
+def _unpickle(data: bytes, at: tuple[Any, ...], path: str, map_location: MapLocation, weights_only: bool | None) -> Any:
+    safe = weights_only is None or weights_only
+    location = _device_for("cpu", map_location) if not callable(map_location) else map_location
+    try:
+        return torch.load(io.BytesIO(data), map_location=location, weights_only=safe)
+    except pickle.UnpicklingError as err:
+        if not safe:
+            raise
+        key = format_key_path(at)
+        raise UnsafeCheckpointError(
+            f"{path!r}: loading {key} needs to unpickle an object that weights-only loading refuses"
+            f" ({str(err).splitlines()[0] if str(err) else type(err).__name__})."
+            " If you trust this checkpoint, load it with `weights_only=False` (e.g."
+            " `lightning_ckpt.load_checkpoint(path, weights_only=False)` or"
+            " `trainer.fit(model, ckpt_path=path, weights_only=False)`), or allow the type with"
+            " `torch.serialization.add_safe_globals([...])`.",
+            path,
+            key,
+        ) from err
+
+
+def load_legacy(path: str, map_location: MapLocation, weights_only: bool | None) -> Any:
+    """A single-file checkpoint, loaded as Lightning's ``TorchCheckpointIO`` does."""
+    location: Any = (lambda storage, loc: storage) if map_location is None else map_location
+    with open(path, "rb") as f:
+        return torch.load(f, map_location=location, weights_only=weights_only)

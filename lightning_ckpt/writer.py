@@ -1,0 +1,465 @@
+"""How bytes land: shard files, checksums, fsync, page-cache release and the atomic commit.
+
+Commit protocol (a crash at any point leaves the old checkpoint or the new one, never a mix):
+
+1. take an ``flock`` on ``.<name>.lckpt-tmp-<token>.lock`` beside the target, then create the
+   temporary directory ``.<name>.lckpt-tmp-<token>`` next to it (same filesystem);
+2. write every shard, ``metadata.json``, the model index, fsync each file; ``manifest.json`` last;
+3. fsync the temporary directory, then move it into place: ``renameat2(RENAME_NOREPLACE)`` when
+   the target is new, ``renameat2(RENAME_EXCHANGE)`` when it exists (the old checkpoint stays
+   complete at the target until this instant), fsync the parent, then delete the old one;
+4. remove the lock file.
+
+A temporary directory whose lock file is not held by a live process is stale and is removed by
+the next save into the same folder. Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import json
+import mmap
+import os
+import queue
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_ckpt import manifest as fmt
+from lightning_ckpt.errors import CheckpointWriteError
+from lightning_ckpt.plan import Blob, Plan, dtype_name
+
+TMP_MARKER = ".lckpt-tmp-"
+_ALIGN = 4096  # O_DIRECT alignment for buffer address, file offset and length
+DEFAULT_CHUNK_BYTES = 32 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class WriteResult:
+    path: str
+    nbytes: int  # bytes written, all files
+    seconds: float  # until durable (committed and fsynced)
+    files: int
+    direct_io: bool
+
+
+class ShardWriter:
+    """Streams blobs into safetensors files through two reused page-aligned buffers.
+
+    A filler thread copies tensor bytes into one buffer and checksums them while the calling
+    thread writes the other (``O_DIRECT`` when the filesystem takes it). Host memory used is
+    ``2 * chunk_bytes`` whatever the checkpoint size; the buffers live as long as the writer so
+    repeated saves do not fault fresh pages in. Not thread-safe: one save at a time.
+    """
+
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, direct_io: bool | None = None) -> None:
+        self.chunk_bytes = max(_ALIGN, chunk_bytes // _ALIGN * _ALIGN)
+        self.direct_io = direct_io  # None: probe per directory
+        self._buffers: list[tuple[mmap.mmap, torch.Tensor]] = []
+        self._direct_ok: dict[str, bool] = {}
+
+    def _buffer_pair(self) -> list[tuple[mmap.mmap, torch.Tensor]]:
+        if not self._buffers:
+            for _ in range(2):
+                raw = mmap.mmap(-1, self.chunk_bytes)
+                self._buffers.append((raw, torch.frombuffer(raw, dtype=torch.uint8)))
+        return self._buffers
+
+    def close(self) -> None:
+        buffers, self._buffers = self._buffers, []
+        for raw, view in buffers:
+            del view
+            try:
+                raw.close()
+            except BufferError:  # a view still exported; the mapping goes with the last reference
+                pass
+
+    def use_direct(self, directory: str) -> bool:
+        if self.direct_io is not None:
+            return self.direct_io and hasattr(os, "O_DIRECT")
+        if directory not in self._direct_ok:
+            self._direct_ok[directory] = _probe_direct(directory, self._buffer_pair()[0][0])
+        return self._direct_ok[directory]
+
+    def write_shard(self, path: str, header: bytes, blobs: tuple[Blob, ...], direct: bool) -> fmt.FileRecord:
+        """Write header + blob bytes to ``path``, fsync, drop from page cache; return size and crc32."""
+        total = len(header) + sum(b.nbytes for b in blobs)
+        buffers = self._buffer_pair()
+        free: queue.Queue[int] = queue.Queue()
+        full: queue.Queue[tuple[int, int] | BaseException | None] = queue.Queue()
+        for i in range(len(buffers)):
+            free.put(i)
+        crc = [0]
+        stop = threading.Event()
+
+        def fill() -> None:
+            try:
+                index, used = free.get(), 0
+                for piece in _byte_pieces(header, blobs, self.chunk_bytes):
+                    while piece.numel():
+                        if stop.is_set():
+                            return
+                        view = buffers[index][1]
+                        n = min(piece.numel(), self.chunk_bytes - used)
+                        view[used : used + n].copy_(piece[:n])
+                        used += n
+                        piece = piece[n:]
+                        if used == self.chunk_bytes:
+                            crc[0] = fmt.checksum(memoryview(buffers[index][0])[:used], crc[0])
+                            full.put((index, used))
+                            index, used = free.get(), 0
+                if used:
+                    crc[0] = fmt.checksum(memoryview(buffers[index][0])[:used], crc[0])
+                    full.put((index, used))
+                full.put(None)
+            except BaseException as err:  # surfaced in the writing thread
+                full.put(err)
+
+        filler = threading.Thread(target=fill, name="lightning_ckpt-fill", daemon=True)
+        fd = _open_for_write(path, direct)
+        try:
+            filler.start()
+            written = 0
+            while (item := full.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                index, used = item
+                raw = buffers[index][0]
+                if direct and used % _ALIGN:
+                    # Last chunk: pad to the alignment, write, then cut the file to its true size.
+                    padded = -(-used // _ALIGN) * _ALIGN
+                    raw[used:padded] = bytes(padded - used)
+                    _write_all(fd, memoryview(raw)[:padded])
+                else:
+                    _write_all(fd, memoryview(raw)[:used])
+                written += used
+                free.put(index)
+            if direct:
+                os.ftruncate(fd, written)
+            os.fsync(fd)
+            _drop_cache(fd)
+        except BaseException:
+            stop.set()
+            free.put(0)  # unblock the filler if it waits for a buffer
+            raise
+        finally:
+            os.close(fd)
+            filler.join()
+        if written != total:
+            raise OSError(errno.EIO, f"wrote {written} of {total} bytes", path)
+        return fmt.FileRecord(size=total, crc32=fmt.format_checksum(crc[0]))
+
+
+def _byte_pieces(header: bytes, blobs: tuple[Blob, ...], chunk: int) -> Iterator[torch.Tensor]:
+    """The file's bytes as flat uint8 tensors, on their own device (copied to host by the filler)."""
+    yield torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    for blob in blobs:
+        if blob.nbytes == 0:
+            continue
+        source = blob.source.detach()
+        if not source.is_contiguous():
+            source = source.contiguous()  # at most one tensor's worth of extra memory
+        flat = source.reshape(-1).view(torch.uint8)
+        if flat.device.type != "cpu":
+            # Bring device tensors over one chunk at a time: host memory stays bounded.
+            for start in range(0, flat.numel(), chunk):
+                yield flat[start : start + chunk].to("cpu")
+        else:
+            yield flat
+
+
+def write_small(path: str, data: bytes) -> fmt.FileRecord:
+    """Write a small file, fsync it and drop it from the page cache."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _write_all(fd, memoryview(data))
+        os.fsync(fd)
+        _drop_cache(fd)
+    finally:
+        os.close(fd)
+    return fmt.FileRecord(size=len(data), crc32=fmt.format_checksum(fmt.checksum(data)))
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def _open_for_write(path: str, direct: bool) -> int:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    return os.open(path, flags | (os.O_DIRECT if direct else 0), 0o644)
+
+
+def _drop_cache(fd: int) -> None:
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+
+
+def _probe_direct(directory: str, aligned: mmap.mmap) -> bool:
+    """Does this filesystem accept O_DIRECT writes from an aligned buffer? (tmpfs does not)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = os.path.join(directory, f".lckpt-direct-probe-{secrets.token_hex(4)}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        os.write(fd, memoryview(aligned)[:_ALIGN])
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Atomic commit
+
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_libc: Any = None
+
+
+def _renameat2(src: str, dst: str, flags: int) -> bool:
+    """``renameat2``; False when the kernel or filesystem does not support ``flags``."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    func = getattr(_libc, "renameat2", None)
+    if func is None:
+        return False
+    if func(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), dst)
+
+
+def commit(tmp: str, target: str) -> None:
+    """Atomically move the finished directory ``tmp`` to ``target``, replacing what is there."""
+    parent = os.path.dirname(target) or "."
+    if os.path.lexists(target):
+        if _renameat2(tmp, target, _RENAME_EXCHANGE):
+            fsync_dir(parent)
+            _remove(tmp)  # now holds the replaced checkpoint
+        else:
+            # No RENAME_EXCHANGE here: the old checkpoint is moved aside (still complete, under a
+            # hidden name that the next save cleans up) and the new one renamed into place.
+            aside = tmp + ".old"
+            os.rename(target, aside)
+            os.rename(tmp, target)
+            fsync_dir(parent)
+            _remove(aside)
+    else:
+        if not _renameat2(tmp, target, _RENAME_NOREPLACE):
+            os.rename(tmp, target)
+        fsync_dir(parent)
+
+
+def _remove(path: str) -> None:
+    """Remove a file or tree; another process removing the same stale leftover is not an error."""
+
+    def ignore_missing(func: Any, name: str, exc_info: Any) -> None:
+        if not isinstance(exc_info[1], FileNotFoundError):
+            raise exc_info[1]
+
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, onerror=ignore_missing)
+        else:
+            os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+class TempDir:
+    """The locked temporary directory a save writes into (see the module docstring)."""
+
+    def __init__(self, target: str) -> None:
+        parent, name = os.path.split(target)
+        self.parent = parent or "."
+        while True:
+            self.path = os.path.join(self.parent, f".{name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}")
+            self.lock_path = self.path + ".lock"
+            try:
+                self._lock_fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                continue
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            # A cleaner may have removed the file between open and flock: then retry.
+            if os.path.exists(self.lock_path) and os.fstat(self._lock_fd).st_ino == os.stat(self.lock_path).st_ino:
+                break
+            os.close(self._lock_fd)
+        os.mkdir(self.path)
+
+    def release(self, remove: bool) -> None:
+        if remove:
+            _remove(self.path)
+            _remove(self.path + ".old")
+        try:
+            os.unlink(self.lock_path)
+        except FileNotFoundError:
+            pass
+        os.close(self._lock_fd)
+
+
+def clean_stale(folder: str) -> list[str]:
+    """Remove temporary directories in ``folder`` left by crashed saves; never one still in use."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        if TMP_MARKER not in name or not name.startswith(".") or name.endswith(".lock"):
+            continue
+        path = os.path.join(folder, name)
+        lock_path = (path[: -len(".old")] if name.endswith(".old") else path) + ".lock"
+        try:
+            fd = os.open(lock_path, os.O_RDWR)
+        except FileNotFoundError:
+            fd = None  # its writer finished or died after removing the lock: stale
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue  # a live save holds it
+            # Keep holding the lock while deleting so no writer can reuse the name.
+            _remove(path)
+            _remove(lock_path)
+            os.close(fd)
+        else:
+            _remove(path)
+        removed.append(path)
+    # Lock files whose directory is gone and whose holder died.
+    for name in names:
+        if TMP_MARKER in name and name.endswith(".lock"):
+            lock_path = os.path.join(folder, name)
+            if os.path.exists(lock_path[: -len(".lock")]):
+                continue
+            try:
+                fd = os.open(lock_path, os.O_RDWR)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except (FileNotFoundError, BlockingIOError):
+                continue
+            _remove(lock_path)
+            os.close(fd)
+    return removed
+
+
+def write_checkpoint(
+    plan: Plan,
+    target: str | os.PathLike[str],
+    shard_writer: ShardWriter,
+    *,
+    metadata: bytes,
+    created_by: dict[str, str],
+    global_step: int | None = None,
+    epoch: int | None = None,
+) -> WriteResult:
+    """Write ``plan`` as a committed checkpoint directory at ``target`` (see the commit protocol)."""
+    start = time.perf_counter()
+    target = os.path.abspath(os.fspath(target))
+    parent = os.path.dirname(target)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as err:
+        raise CheckpointWriteError(f"Cannot create the folder {parent!r} for checkpoint {target!r}: {err}", target) from err
+    if os.path.isdir(target) and not os.path.exists(os.path.join(target, fmt.MANIFEST_FILE)) and os.listdir(target):
+        raise CheckpointWriteError(
+            f"{target!r} is a non-empty directory that is not a lightning_ckpt checkpoint; refusing to replace it."
+            " Choose another checkpoint path or move that directory away.",
+            target,
+        )
+    clean_stale(parent)
+    tmp = None
+    try:
+        tmp = TempDir(target)
+        direct = shard_writer.use_direct(tmp.path)
+        files: dict[str, fmt.FileRecord] = {}
+        file_of_blob = plan.file_of_blob()
+        weight_map: dict[str, str] = {}
+        for shard in plan.shards:
+            header, _ = fmt.build_header([(b.name, b.dtype, b.shape, b.nbytes) for b in shard.blobs])
+            files[shard.filename] = shard_writer.write_shard(
+                os.path.join(tmp.path, shard.filename), header, shard.blobs, direct
+            )
+            if shard.component == "model":
+                weight_map.update({b.name: shard.filename for b in shard.blobs})
+        files[fmt.METADATA_FILE] = write_small(os.path.join(tmp.path, fmt.METADATA_FILE), metadata)
+        model_index = None
+        if weight_map:
+            model_bytes = sum(s.nbytes for s in plan.shards if s.component == "model")
+            index = {"metadata": {"total_size": model_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            model_index = fmt.MODEL_INDEX_FILE
+            files[model_index] = write_small(
+                os.path.join(tmp.path, model_index), (json.dumps(index, indent=2) + "\n").encode()
+            )
+        manifest = fmt.Manifest(
+            files=files,
+            components={c: [s.filename for s in plan.shards if s.component == c] for c in plan.components},
+            tensors=[
+                fmt.TensorRecord(
+                    component=t.component,
+                    path=[k if type(k) in (str, int) else repr(k) for k in t.path],
+                    file=file_of_blob[(t.component, t.blob)],
+                    blob=t.blob,
+                    dtype=dtype_name(t.dtype),
+                    shape=list(t.shape),
+                    device=t.device,
+                    byte_offset=t.byte_offset,
+                    stride=None if t.stride is None else list(t.stride),
+                    requires_grad=t.requires_grad,
+                    parameter=t.parameter,
+                )
+                for t in plan.tensors
+            ],
+            created_by=created_by,
+            global_step=global_step,
+            epoch=epoch,
+            model_index_file=model_index,
+        )
+        data = manifest.to_bytes()
+        write_small(os.path.join(tmp.path, fmt.MANIFEST_FILE), data)
+        fsync_dir(tmp.path)
+        commit(tmp.path, target)
+    except BaseException as err:
+        if tmp is not None:
+            tmp.release(remove=True)
+        if isinstance(err, (OSError, RuntimeError)):
+            raise CheckpointWriteError(
+                f"Saving checkpoint {target!r} failed: {err}. Nothing was committed; any checkpoint"
+                " previously at that path is unchanged.",
+                target,
+            ) from err
+        raise
+    tmp.release(remove=False)
+    total = manifest.total_bytes + len(data)
+    return WriteResult(target, total, time.perf_counter() - start, len(files) + 1, direct)
+
