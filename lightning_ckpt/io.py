@@ -123,8 +123,8 @@ class ShardedCheckpointIO(CheckpointIO):
             every crc32) for each ``load_checkpoint``.
         direct_io: write shard data with ``O_DIRECT`` (bypasses and so preserves the page cache).
             ``None`` probes the filesystem and falls back to buffered writes where it is refused.
-        buffer_size: size of each of the two reused host buffers that bytes stream through; the
-            extra host memory of a save is about twice this, whatever the checkpoint size.
+        buffer_size: size of each of the four reused host buffers that bytes stream through; the
+            extra host memory of a save is about four times this, whatever the checkpoint size.
     """
 
     def __init__(
@@ -132,7 +132,7 @@ class ShardedCheckpointIO(CheckpointIO):
         max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
         verify_on_load: Literal["structure", "full"] = "structure",
         direct_io: Optional[bool] = None,
-        buffer_size: int | str = "32MiB",
+        buffer_size: int | str = "16MiB",
     ) -> None:
         super().__init__()
         self.max_shard_size = parse_size(max_shard_size, "max_shard_size")

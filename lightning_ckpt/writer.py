@@ -40,7 +40,8 @@ from lightning_ckpt.plan import Blob, Plan, dtype_name
 
 TMP_MARKER = ".lckpt-tmp-"
 _ALIGN = 4096  # O_DIRECT alignment for buffer address, file offset and length
-DEFAULT_CHUNK_BYTES = 32 * 2**20
+DEFAULT_CHUNK_BYTES = 16 * 2**20
+_RING = 4  # buffers in flight: filling, hashing, writing, and one spare to absorb jitter
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,31 +54,27 @@ class WriteResult:
 
 
 class ShardWriter:
-    """Streams blobs into safetensors files through two reused page-aligned buffers.
+    """Streams blobs into safetensors files through a ring of reused page-aligned buffers.
 
-    A filler thread copies tensor bytes into one buffer and checksums them while the calling
-    thread writes the other (``O_DIRECT`` when the filesystem takes it). Host memory used is
-    ``2 * chunk_bytes`` whatever the checkpoint size; the buffers live as long as the writer so
-    repeated saves do not fault fresh pages in. Not thread-safe: one save at a time.
+    Host memory used is ``4 * chunk_bytes`` whatever the checkpoint size; the buffers live as long
+    as the writer so repeated saves do not fault fresh pages in. Writes use ``O_DIRECT`` when the
+    filesystem takes it. Not thread-safe: one save at a time.
     """
 
     def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, direct_io: bool | None = None) -> None:
         self.chunk_bytes = max(_ALIGN, chunk_bytes // _ALIGN * _ALIGN)
         self.direct_io = direct_io  # None: probe per directory
-        self._buffers: list[tuple[mmap.mmap, torch.Tensor]] = []
+        self._buffers: list[mmap.mmap] = []
         self._direct_ok: dict[str, bool] = {}
 
-    def _buffer_pair(self) -> list[tuple[mmap.mmap, torch.Tensor]]:
+    def _buffer_ring(self) -> list[mmap.mmap]:
         if not self._buffers:
-            for _ in range(2):
-                raw = mmap.mmap(-1, self.chunk_bytes)
-                self._buffers.append((raw, torch.frombuffer(raw, dtype=torch.uint8)))
+            self._buffers = [mmap.mmap(-1, self.chunk_bytes) for _ in range(_RING)]
         return self._buffers
 
     def close(self) -> None:
         buffers, self._buffers = self._buffers, []
-        for raw, view in buffers:
-            del view
+        for raw in buffers:
             try:
                 raw.close()
             except BufferError:  # a view still exported; the mapping goes with the last reference
@@ -87,18 +84,25 @@ class ShardWriter:
         if self.direct_io is not None:
             return self.direct_io and hasattr(os, "O_DIRECT")
         if directory not in self._direct_ok:
-            self._direct_ok[directory] = _probe_direct(directory, self._buffer_pair()[0][0])
+            self._direct_ok[directory] = _probe_direct(directory, self._buffer_ring()[0])
         return self._direct_ok[directory]
 
     def write_shard(self, path: str, header: bytes, blobs: tuple[Blob, ...], direct: bool) -> fmt.FileRecord:
-        """Write header + blob bytes to ``path``, fsync, drop from page cache; return size and crc32."""
+        """Write header + blob bytes to ``path``, fsync, drop from page cache; return size and crc32.
+
+        Three stages run concurrently over the reused buffers: a *filler* thread copies bytes in,
+        a *hasher* thread updates the crc32, and the calling thread writes (all release the GIL).
+        Buffers go round in order, so the crc is of the file's bytes in file order.
+        """
         total = len(header) + sum(b.nbytes for b in blobs)
-        buffers = self._buffer_pair()
+        buffers = self._buffer_ring()
         free: queue.Queue[int] = queue.Queue()
-        full: queue.Queue[tuple[int, int] | BaseException | None] = queue.Queue()
+        filled: queue.Queue[tuple[int, int] | BaseException | None] = queue.Queue()
+        hashed: queue.Queue[tuple[int, int] | BaseException | None] = queue.Queue()
         for i in range(len(buffers)):
             free.put(i)
-        crc = [0]
+        addresses = [ctypes.addressof(ctypes.c_char.from_buffer(raw)) for raw in buffers]
+        crc = 0
         stop = threading.Event()
 
         def fill() -> None:
@@ -108,32 +112,46 @@ class ShardWriter:
                     while piece.numel():
                         if stop.is_set():
                             return
-                        view = buffers[index][1]
                         n = min(piece.numel(), self.chunk_bytes - used)
-                        view[used : used + n].copy_(piece[:n])
+                        # Host bytes: one single-threaded memmove (GIL released). torch's copy_
+                        # would wake its OpenMP pool, whose spinning starves the hasher thread.
+                        ctypes.memmove(addresses[index] + used, piece.data_ptr(), n)
                         used += n
                         piece = piece[n:]
                         if used == self.chunk_bytes:
-                            crc[0] = fmt.checksum(memoryview(buffers[index][0])[:used], crc[0])
-                            full.put((index, used))
+                            filled.put((index, used))
                             index, used = free.get(), 0
                 if used:
-                    crc[0] = fmt.checksum(memoryview(buffers[index][0])[:used], crc[0])
-                    full.put((index, used))
-                full.put(None)
+                    filled.put((index, used))
+                filled.put(None)
             except BaseException as err:  # surfaced in the writing thread
-                full.put(err)
+                filled.put(err)
 
-        filler = threading.Thread(target=fill, name="lightning_ckpt-fill", daemon=True)
+        def hash_() -> None:
+            nonlocal crc
+            while True:
+                item = filled.get()
+                if isinstance(item, tuple):
+                    index, used = item
+                    crc = fmt.checksum(memoryview(buffers[index])[:used], crc)
+                hashed.put(item)
+                if not isinstance(item, tuple):
+                    return
+
+        threads = [
+            threading.Thread(target=fill, name="lightning_ckpt-fill", daemon=True),
+            threading.Thread(target=hash_, name="lightning_ckpt-hash", daemon=True),
+        ]
         fd = _open_for_write(path, direct)
         try:
-            filler.start()
+            for thread in threads:
+                thread.start()
             written = 0
-            while (item := full.get()) is not None:
+            while (item := hashed.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
                 index, used = item
-                raw = buffers[index][0]
+                raw = buffers[index]
                 if direct and used % _ALIGN:
                     # Last chunk: pad to the alignment, write, then cut the file to its true size.
                     padded = -(-used // _ALIGN) * _ALIGN
@@ -149,14 +167,17 @@ class ShardWriter:
             _drop_cache(fd)
         except BaseException:
             stop.set()
-            free.put(0)  # unblock the filler if it waits for a buffer
+            for i in range(len(buffers)):
+                free.put(i)  # unblock the filler if it waits for a buffer
             raise
         finally:
             os.close(fd)
-            filler.join()
+            for thread in threads:
+                if thread.is_alive() or thread.ident is not None:
+                    thread.join()
         if written != total:
             raise OSError(errno.EIO, f"wrote {written} of {total} bytes", path)
-        return fmt.FileRecord(size=total, crc32=fmt.format_checksum(crc[0]))
+        return fmt.FileRecord(size=total, crc32=fmt.format_checksum(crc))
 
 
 def _byte_pieces(header: bytes, blobs: tuple[Blob, ...], chunk: int) -> Iterator[torch.Tensor]:
