@@ -112,9 +112,16 @@ def _drop_cache(fd: int) -> None:
 
 @dataclass
 class _Shard:
-    data: torch.Tensor  # uint8 view of the whole file (private mapping)
+    mapped: mmap.mmap  # the whole file, private (copy-on-write) mapping
     data_start: int
     entries: dict[str, fmt.HeaderEntry]
+
+    def blob(self, entry: fmt.HeaderEntry) -> torch.Tensor:
+        """The blob's bytes with a storage of their own: saving one tensor never drags the file."""
+        n = entry.end - entry.begin
+        if n == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self.mapped, dtype=torch.uint8, count=n, offset=self.data_start + entry.begin)
 
 
 def _open_shard(path: str, name: str) -> _Shard:
@@ -133,7 +140,7 @@ def _open_shard(path: str, name: str) -> _Shard:
             raise
         # MAP_PRIVATE: writes (e.g. an optimizer step on a restored state) copy the page, never the file.
         mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return _Shard(torch.frombuffer(mapped, dtype=torch.uint8), data_start, entries)
+    return _Shard(mapped, data_start, entries)
 
 
 def _device_for(location: str, map_location: MapLocation) -> torch.device:
@@ -188,7 +195,7 @@ def load(
             entry = shard.entries.get(name)
             if entry is None:
                 raise CorruptCheckpointError(f"{path!r}: tensor {name!r} is missing from {file!r}.", path, file)
-            data = shard.data[shard.data_start + entry.begin : shard.data_start + entry.end]
+            data = shard.blob(entry)
             blobs[key] = data if device.type == "cpu" else data.to(device)
         return blobs[key]
 

@@ -1,0 +1,3 @@
+from lightning_ckpt.cli import main
+
+raise SystemExit(main())
