@@ -1,0 +1,62 @@
+"""A tiny deterministic LightningModule for integration and distributed tests."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import LightningModule
+from torch.utils.data import DataLoader, TensorDataset
+
+STEPS_PER_EPOCH = 4
+
+
+class TinyRegressor(LightningModule):
+    """MLP + AdamW + StepLR; records every training loss so resumed runs can be compared."""
+
+    def __init__(self, hidden: int = 16, lr: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, on_step=True, sync_dist=True)
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
+
+    def train_dataloader(self):
+        return _loader()
+
+    def val_dataloader(self):
+        return _loader()
+
+
+def _loader() -> DataLoader:
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(32, 8, generator=gen)
+    y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(32, 1, generator=gen)
+    return DataLoader(TensorDataset(x, y), batch_size=32 // STEPS_PER_EPOCH, shuffle=False)
+
+
+def trainer_kwargs(**overrides):
+    kwargs = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    kwargs.update(overrides)
+    return kwargs
