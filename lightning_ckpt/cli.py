@@ -35,7 +35,8 @@ def _inspect(path: str, console: Console) -> int:
     created = ", ".join(f"{k} {v}" for k, v in sorted(manifest.created_by.items()))
     console.print(
         f"[bold]{path}[/bold]\nformat v{manifest.format_version} · epoch {manifest.epoch} · step"
-        f" {manifest.global_step} · {_human(manifest.total_bytes)} in {len(manifest.files)} files\nwritten by {created}"
+        f" {manifest.global_step} · {_human(manifest.total_bytes)} in {len(manifest.files)} files + manifest"
+        f"\nwritten by {created}"
     )
     table = Table(title="components")
     for column in ("component", "shards", "tensors", "bytes", "dtypes"):
@@ -92,7 +93,7 @@ def _verify(path: str, console: Console) -> int:
         console.print(f"[yellow]{path}: single-file checkpoint: it loads, but it carries no checksums to verify.")
         return 0
     manifest = verify_checkpoint(path)
-    console.print(f"[green]OK[/green] {path}: {len(manifest.files)} files, {_human(manifest.total_bytes)}, all checksums match")
+    console.print(f"[green]OK[/green] {path}: {len(manifest.files)} files + manifest, {_human(manifest.total_bytes)}, all checksums match")
     return 0
 
 

@@ -1,0 +1,45 @@
+"""ShardedCheckpointIO from a LightningCLI YAML config (class_path / init_args)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from models import TinyRegressor
+
+import lightning_ckpt as lc
+
+pytest.importorskip("jsonargparse")
+
+
+def test_plugin_from_lightning_cli_yaml(tmp_path):
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"""
+trainer:
+  max_epochs: 1
+  accelerator: cpu
+  logger: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  plugins:
+    - class_path: lightning_ckpt.ShardedCheckpointIO
+      init_args:
+        max_shard_size: 1MB
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args:
+        dirpath: {tmp_path / "ckpts"}
+        every_n_train_steps: 2
+        save_top_k: -1
+        save_last: true
+"""
+    )
+    cli = LightningCLI(TinyRegressor, args=["fit", "--config", str(config)], save_config_kwargs={"overwrite": True})
+    io = cli.trainer.strategy.checkpoint_io
+    assert isinstance(io, lc.ShardedCheckpointIO) and io.max_shard_size == 10**6
+    names = sorted(os.listdir(tmp_path / "ckpts"))
+    assert names == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
+    assert lc.load_checkpoint(tmp_path / "ckpts" / "last.ckpt", verify=True)["global_step"] == 4
