@@ -172,6 +172,17 @@ class ShardedCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         self._writer.close()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Spawn-based strategies pickle the plugin: ship the configuration, not locks or buffers.
+        state = self.__dict__.copy()
+        state["_lock"] = None
+        state["_writer"] = ShardWriter(self._writer.chunk_bytes, self._writer.direct_io)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
 
 def remove_checkpoint(path: str | os.PathLike[str]) -> None:
     """Remove a checkpoint. A directory is first renamed to a hidden temporary name, so a crash

@@ -22,6 +22,7 @@ from typing import Any, Union
 import torch
 
 from lightning_ckpt import manifest as fmt
+from lightning_ckpt._fs import drop_page_cache
 from lightning_ckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -91,7 +92,7 @@ def verify(path: str | os.PathLike[str]) -> fmt.Manifest:
         with open(os.path.join(path, name), "rb", buffering=0) as f:
             while n := f.readinto(buffer):
                 crc = fmt.checksum(view[:n], crc)
-            _drop_cache(f.fileno())
+            drop_page_cache(f.fileno())
         if fmt.format_checksum(crc) != record.crc32:
             raise CorruptCheckpointError(
                 f"{path!r}: checksum mismatch in {name!r} (expected {record.crc32}, found {fmt.format_checksum(crc)});"
@@ -101,13 +102,6 @@ def verify(path: str | os.PathLike[str]) -> fmt.Manifest:
             )
     return manifest
 
-
-def _drop_cache(fd: int) -> None:
-    if hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
 
 
 @dataclass

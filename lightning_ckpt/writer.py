@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from lightning_ckpt import manifest as fmt
+from lightning_ckpt._fs import drop_page_cache
 from lightning_ckpt.errors import CheckpointWriteError
 from lightning_ckpt.plan import Blob, Plan, dtype_name
 
@@ -164,7 +165,7 @@ class ShardWriter:
             if direct:
                 os.ftruncate(fd, written)
             os.fsync(fd)
-            _drop_cache(fd)
+            drop_page_cache(fd)
         except BaseException:
             stop.set()
             for i in range(len(buffers)):
@@ -204,7 +205,7 @@ def write_small(path: str, data: bytes) -> fmt.FileRecord:
     try:
         _write_all(fd, memoryview(data))
         os.fsync(fd)
-        _drop_cache(fd)
+        drop_page_cache(fd)
     finally:
         os.close(fd)
     return fmt.FileRecord(size=len(data), crc32=fmt.format_checksum(fmt.checksum(data)))
@@ -220,13 +221,6 @@ def _open_for_write(path: str, direct: bool) -> int:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
     return os.open(path, flags | (os.O_DIRECT if direct else 0), 0o644)
 
-
-def _drop_cache(fd: int) -> None:
-    if hasattr(os, "posix_fadvise"):
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
 
 
 def _probe_direct(directory: str, aligned: mmap.mmap) -> bool:

@@ -213,3 +213,14 @@ def test_parse_size(text, expected):
 def test_parse_size_rejects_with_argument_name(bad):
     with pytest.raises(ValueError, match="max_shard_size"):
         lc.ShardedCheckpointIO(max_shard_size=bad)
+
+
+def test_plugin_pickles_for_spawn_strategies(tmp_path):
+    import pickle
+
+    io = lc.ShardedCheckpointIO(max_shard_size="1MB", direct_io=False)
+    io.save_checkpoint({"state_dict": {"w": torch.ones(4)}}, tmp_path / "a.ckpt")  # buffers allocated
+    clone = pickle.loads(pickle.dumps(io))
+    assert clone.max_shard_size == 10**6 and clone._writer.direct_io is False
+    clone.save_checkpoint({"state_dict": {"w": torch.zeros(4)}}, tmp_path / "b.ckpt")
+    assert clone.load_checkpoint(tmp_path / "b.ckpt")["state_dict"]["w"].sum() == 0
