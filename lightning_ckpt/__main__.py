@@ -1,3 +1,4 @@
 from lightning_ckpt.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,58 @@
+"""Smoke test of the benchmark program at a tiny size: it runs, cleans up, and reports sane JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from lightning_ckpt import bench
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the benchmark reads Linux /proc")
+
+
+def _positive(op: dict, *keys: str) -> None:
+    for key in keys:
+        median = op[key]["median"]
+        assert isinstance(median, float) and math.isfinite(median) and median > 0, (key, op[key])
+        assert len(op[key]["values"]) == 1
+
+
+def test_bench_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt_dir = tmp_path / "ckpts"
+    json_path = tmp_path / "results" / "bench.json"
+    argv = ["--sizes", "3MB", "--repeats", "1", "--dir", str(ckpt_dir), "--json", str(json_path)]
+
+    assert bench.main(argv) == 0
+
+    report = json.loads(json_path.read_text())
+    assert {"command", "argv", "settings", "machine", "results"} <= report.keys()
+    assert report["argv"] == argv
+    assert report["settings"]["repeats"] == 1
+    assert report["machine"]["cpu_count"] >= 1 and report["machine"]["total_ram_gb"] > 0
+    assert report["machine"]["torch"] and report["machine"]["lightning"]
+
+    (result,) = report["results"]
+    assert result["size"] == "3MB" and result["errors"] == []
+    assert 0.9 * 3e6 < result["state_bytes"] < 1.1 * 3e6 and 20 <= result["state_tensors"] // 3 <= 80
+
+    plain = result["plain_write"]
+    _positive(plain["buffered"], "seconds", "GBps")
+    assert plain["best_plain_GBps"] > 0
+    for op in (result["torch_io"]["save"], result["sharded_io"]["save_first"], result["sharded_io"]["save_steady"]):
+        _positive(op, "seconds", "GBps", "vs_plain")
+        assert op["peak_rss_mb"]["median"] >= 0 and op["bytes_written"]["median"] >= result["state_bytes"]
+    for op in (result["torch_io"]["load"], result["sharded_io"]["load"]):
+        _positive(op, "seconds", "GBps", "load_checkpoint_seconds")
+        assert op["peak_rss_mb"]["median"] >= 0 and op["peak_rss_anon_mb"]["median"] >= 0
+    ratios = result["ratios_ours_over_torch_io"]
+    assert {"save_seconds", "save_peak_rss", "load_seconds", "load_peak_rss", "load_peak_rss_anon"} <= ratios.keys()
+    assert ratios["save_seconds"] > 0 and ratios["load_seconds"] > 0
+
+    # The same JSON went to stdout after the table; every checkpoint written was removed.
+    out = capsys.readouterr().out
+    assert json.loads(out[out.index("\n{") + 1 :]) == report
+    assert not ckpt_dir.exists() or not any(ckpt_dir.rglob("*"))
