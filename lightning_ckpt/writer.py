@@ -280,16 +280,20 @@ def commit(tmp: str, target: str) -> None:
     parent = os.path.dirname(target) or "."
     if os.path.lexists(target):
         if _renameat2(tmp, target, _RENAME_EXCHANGE):
-            fsync_dir(parent)
-            _remove(tmp)  # now holds the replaced checkpoint
+            replaced = tmp
         else:
             # No RENAME_EXCHANGE here: the old checkpoint is moved aside (still complete, under a
             # hidden name that the next save cleans up) and the new one renamed into place.
-            aside = tmp + ".old"
-            os.rename(target, aside)
+            replaced = tmp + ".old"
+            os.rename(target, replaced)
             os.rename(tmp, target)
-            fsync_dir(parent)
-            _remove(aside)
+        fsync_dir(parent)
+        # Committed. Failing to delete the replaced checkpoint must not fail the save: it sits
+        # under a hidden temporary name that the next save into this folder removes.
+        try:
+            _remove(replaced)
+        except OSError:
+            pass
     else:
         if not _renameat2(tmp, target, _RENAME_NOREPLACE):
             os.rename(tmp, target)
