@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from lightning_ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -14,17 +17,43 @@ from lightning_ckpt.errors import (
     UnsafeCheckpointError,
     UnsupportedFormatError,
 )
-from lightning_ckpt.io import (
-    ShardedCheckpointIO,
-    load_checkpoint,
-    load_from_checkpoint,
-    remove_checkpoint,
-    save_checkpoint,
-    verify_checkpoint,
-)
 from lightning_ckpt.manifest import FORMAT_VERSION
 
 __version__ = "0.1.0"
+
+# Names that need Lightning are imported on first use, so the writer process (which only writes
+# bytes) starts without importing Lightning.
+_LAZY = {
+    "ShardedCheckpointIO": "lightning_ckpt.io",
+    "load_checkpoint": "lightning_ckpt.io",
+    "load_from_checkpoint": "lightning_ckpt.io",
+    "remove_checkpoint": "lightning_ckpt.io",
+    "save_checkpoint": "lightning_ckpt.io",
+    "verify_checkpoint": "lightning_ckpt.io",
+}
+
+if TYPE_CHECKING:
+    from lightning_ckpt.io import (
+        ShardedCheckpointIO,
+        load_checkpoint,
+        load_from_checkpoint,
+        remove_checkpoint,
+        save_checkpoint,
+        verify_checkpoint,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lightning_ckpt' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "FORMAT_VERSION",

@@ -7,10 +7,15 @@ rank 0 only, so nothing here may run a collective; ``load_checkpoint`` runs on e
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
 import threading
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
 from typing import Any, Literal, Optional, TypeVar
 
@@ -20,9 +25,12 @@ from typing_extensions import override
 
 from lightning_ckpt import manifest as fmt
 from lightning_ckpt import reader
-from lightning_ckpt.errors import CheckpointError, CheckpointNotFoundError
-from lightning_ckpt.plan import make_plan, parse_size
-from lightning_ckpt.writer import TMP_MARKER, ShardWriter, WriteResult, clean_stale, write_checkpoint
+from lightning_ckpt.errors import CheckpointNotFoundError, CheckpointWriteError
+from lightning_ckpt.plan import Plan, make_plan, parse_size
+from lightning_ckpt.staging import StagingPool
+from lightning_ckpt import writer
+from lightning_ckpt.worker import WriterProcess
+from lightning_ckpt.writer import ShardWriter, WriteResult, write_checkpoint
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
 _VERIFY_MODES = ("structure", "full")
@@ -51,6 +59,21 @@ def _check_local(path: Any, argument: str) -> str:
     return path.removeprefix("file://")
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    plan: Plan
+    metadata: bytes
+    global_step: int | None
+    epoch: int | None
+
+
+def _prepare(checkpoint: dict[str, Any], max_shard_size: int) -> _Prepared:
+    plan = make_plan(checkpoint, max_shard_size)
+    metadata = json.dumps(plan.tree, separators=(",", ":"), allow_nan=False).encode()
+    step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
+    return _Prepared(plan, metadata, step if type(step) is int else None, epoch if type(epoch) is int else None)
+
+
 def save_checkpoint(
     checkpoint: dict[str, Any],
     path: str | os.PathLike[str],
@@ -59,21 +82,17 @@ def save_checkpoint(
     _writer: ShardWriter | None = None,
 ) -> WriteResult:
     """Save ``checkpoint`` as a sharded, checksummed checkpoint directory at ``path`` (atomically)."""
-    limit = parse_size(max_shard_size)
-    path = _check_local(path, "path")
-    plan = make_plan(checkpoint, limit)
-    metadata = json.dumps(plan.tree, separators=(",", ":"), allow_nan=False).encode()
-    step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
+    prepared = _prepare(checkpoint, parse_size(max_shard_size))
     writer = _writer or ShardWriter()
     try:
         return write_checkpoint(
-            plan,
-            path,
+            prepared.plan,
+            _check_local(path, "path"),
             writer,
-            metadata=metadata,
+            metadata=prepared.metadata,
             created_by=_created_by(),
-            global_step=step if type(step) is int else None,
-            epoch=epoch if type(epoch) is int else None,
+            global_step=prepared.global_step,
+            epoch=prepared.epoch,
         )
     finally:
         if _writer is None:
@@ -114,7 +133,7 @@ class ShardedCheckpointIO(CheckpointIO):
 
     Example::
 
-        trainer = Trainer(plugins=[ShardedCheckpointIO(max_shard_size="2GB")])
+        trainer = Trainer(plugins=[ShardedCheckpointIO(max_shard_size="2GB", async_save=True)])
 
     Args:
         max_shard_size: cap on each shard file's tensor bytes (int bytes or ``"2GB"``, ``"500MiB"``).
@@ -123,8 +142,20 @@ class ShardedCheckpointIO(CheckpointIO):
             every crc32) for each ``load_checkpoint``.
         direct_io: write shard data with ``O_DIRECT`` (bypasses and so preserves the page cache).
             ``None`` probes the filesystem and falls back to buffered writes where it is refused.
-        buffer_size: size of each of the four reused host buffers that bytes stream through; the
-            extra host memory of a save is about four times this, whatever the checkpoint size.
+        buffer_size: size of each of the four reused host buffers that a synchronous save streams
+            through; its extra host memory is about four times this, whatever the checkpoint size.
+        async_save: ``save_checkpoint`` returns once the state is copied into a reused
+            shared-memory staging pool; a persistent writer process writes and commits it.
+        when_busy: what an async save does while the previous one is still being written:
+            ``"wait"`` (block until it is durable, then save) or ``"skip"`` (skip this save with a
+            warning, counted in ``skipped_saves``; the next removal is refused, so a skipped save
+            never displaces a good checkpoint).
+        staging_pool_size: cap on the staging pool (``None``: as large as the state needs).
+        on_error: a failed background write is ``"raise"`` d (once, at the next save, ``wait()`` or
+            ``teardown()``) or only ``"warn"`` ed, so training goes on.
+
+    Call order and ranks: Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0
+    only, ``load_checkpoint`` and ``teardown`` on every rank; none of them runs a collective.
     """
 
     def __init__(
@@ -133,76 +164,187 @@ class ShardedCheckpointIO(CheckpointIO):
         verify_on_load: Literal["structure", "full"] = "structure",
         direct_io: Optional[bool] = None,
         buffer_size: int | str = "16MiB",
+        async_save: bool = False,
+        when_busy: Literal["wait", "skip"] = "wait",
+        staging_pool_size: int | str | None = None,
+        on_error: Literal["raise", "warn"] = "raise",
     ) -> None:
         super().__init__()
         self.max_shard_size = parse_size(max_shard_size, "max_shard_size")
         if verify_on_load not in _VERIFY_MODES:
             raise ValueError(f"`verify_on_load={verify_on_load!r}` must be one of {_VERIFY_MODES}.")
-        if direct_io not in (None, True, False):
-            raise ValueError(f"`direct_io={direct_io!r}` must be None (auto), True or False.")
+        for name, value, allowed in (
+            ("direct_io", direct_io, (None, True, False)),
+            ("async_save", async_save, (True, False)),
+            ("when_busy", when_busy, ("wait", "skip")),
+            ("on_error", on_error, ("raise", "warn")),
+        ):
+            if value not in allowed:
+                raise ValueError(f"`{name}={value!r}` must be one of {allowed}.")
         self.verify_on_load = verify_on_load
+        self.async_save = async_save
+        self.when_busy = when_busy
+        self.on_error = on_error
+        pool_cap = None if staging_pool_size is None else parse_size(staging_pool_size, "staging_pool_size")
         self._writer = ShardWriter(parse_size(buffer_size, "buffer_size"), direct_io)
+        self._pool = StagingPool(pool_cap)
+        self._worker = WriterProcess({"chunk_bytes": self._writer.chunk_bytes, "direct_io": direct_io})
         self._lock = threading.Lock()
+        self._refuse_next_removal = False
+        self.skipped_saves = 0
         self.last_save: WriteResult | None = None
+        self.last_stall_seconds: float | None = None  # how long the last save blocked the caller
+        _live_instances.add(self)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
-        """Write ``checkpoint`` to the directory ``path``; returns once it is durable and committed."""
+        """Write ``checkpoint`` to the directory ``path``.
+
+        Synchronous mode returns once it is durable and committed; async mode once it is staged.
+        """
         if storage_options is not None:
             raise TypeError(
                 "`Trainer.save_checkpoint(..., storage_options=...)` is not supported by ShardedCheckpointIO;"
                 f" got storage_options={storage_options!r}. Remove the argument."
             )
+        path = os.path.abspath(_check_local(path, "path"))
         with self._lock:
-            self.last_save = save_checkpoint(checkpoint, path, self.max_shard_size, _writer=self._writer)
+            start = time.perf_counter()
+            if not self.async_save:
+                self.last_save = save_checkpoint(checkpoint, path, self.max_shard_size, _writer=self._writer)
+                self.last_stall_seconds = time.perf_counter() - start
+                return
+            self._report(self._worker.take_errors())
+            if self._worker.busy:
+                if self.when_busy == "skip":
+                    self.skipped_saves += 1
+                    self._refuse_next_removal = True
+                    warnings.warn(
+                        f"Skipped checkpoint {path!r}: the previous save ({self._worker.in_flight()[0]!r}) is"
+                        f" still being written and `when_busy='skip'` ({self.skipped_saves} skipped so far).",
+                        stacklevel=2,
+                    )
+                    return
+                self._worker.wait()
+                self._report(self._worker.take_errors())
+            self._refuse_next_removal = False
+            prepared = _prepare(checkpoint, self.max_shard_size)
+            layout, ready = self._pool.stage(prepared.plan)
+            ready()
+            self._worker.submit(
+                "save",
+                path,
+                {
+                    "plan": prepared.plan.without_data(),
+                    "images": layout.images,
+                    "metadata": prepared.metadata,
+                    "created_by": _created_by(),
+                    "global_step": prepared.global_step,
+                    "epoch": prepared.epoch,
+                },
+                pool=(self._pool.fd, self._pool.generation),
+            )
+            self.last_stall_seconds = time.perf_counter() - start
 
     @override
     def load_checkpoint(
         self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None
     ) -> dict[str, Any]:
-        """Load a directory checkpoint (or a legacy ``.ckpt`` file); see :func:`load_checkpoint`."""
+        """Load a directory checkpoint (or a legacy ``.ckpt`` file); see :func:`load_checkpoint`.
+
+        Waits for saves still being written, so a checkpoint is never read before it is committed.
+        """
+        if self.async_save:
+            with self._lock:
+                self._worker.wait()
         return load_checkpoint(path, map_location, weights_only, verify=self.verify_on_load == "full")
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove a checkpoint directory or legacy file. Refuses directories that are not checkpoints."""
+        """Remove a checkpoint directory or legacy file. Refuses directories that are not checkpoints.
+
+        In async mode the removal is queued behind the saves in flight: a checkpoint is only
+        removed once the one replacing it is committed.
+        """
+        path = os.path.abspath(_check_local(path, "path"))
+        with self._lock:
+            if self._refuse_next_removal:
+                self._refuse_next_removal = False
+                warnings.warn(f"Kept {path!r}: the save that would have replaced it was skipped.", stacklevel=2)
+                return
+            if self.async_save and self._worker.busy:
+                self._worker.submit("remove", path, {})
+                return
         remove_checkpoint(path)
+
+    def wait(self) -> None:
+        """Block until every save in flight is durable; raise (once) what failed in the background."""
+        with self._lock:
+            self._worker.wait()
+            self._report(self._worker.take_errors())
 
     @override
     def teardown(self) -> None:
-        self._writer.close()
+        """Wait for saves in flight, stop the writer process and free the buffers."""
+        with self._lock:
+            try:
+                self._worker.stop()
+                self._report(self._worker.take_errors())
+            finally:
+                self._pool.close()
+                self._writer.close()
+
+    def _report(self, errors: list[CheckpointWriteError]) -> None:
+        self._collect_results()
+        if not errors:
+            return
+        if self.on_error == "warn":
+            for error in errors:
+                warnings.warn(str(error), stacklevel=3)
+            return
+        if len(errors) > 1:
+            raise CheckpointWriteError("; ".join(str(e) for e in errors), errors[-1].path) from errors[0]
+        raise errors[0]
+
+    def _collect_results(self) -> None:
+        results, self._worker.results = self._worker.results, []
+        for r in results:
+            # seconds: from save_checkpoint's hand-off until the checkpoint was committed and durable
+            self.last_save = WriteResult(r["path"], r["nbytes"], r["durable_at"] - r["submitted"], r["files"], r["direct_io"])
 
     def __getstate__(self) -> dict[str, Any]:
-        # Spawn-based strategies pickle the plugin: ship the configuration, not locks or buffers.
+        # Spawn-based strategies pickle the plugin: ship the configuration, not locks, buffers or processes.
         state = self.__dict__.copy()
         state["_lock"] = None
         state["_writer"] = ShardWriter(self._writer.chunk_bytes, self._writer.direct_io)
+        state["_pool"] = StagingPool(self._pool.max_bytes)
+        state["_worker"] = WriterProcess(self._worker.config)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        _live_instances.add(self)
+
+
+# Saves still in flight when the interpreter exits are finished (a checkpoint the user asked for is
+# not dropped), then the writer process is stopped.
+_live_instances: weakref.WeakSet[ShardedCheckpointIO] = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_in_flight_saves() -> None:
+    for io in list(_live_instances):
+        try:
+            io._worker.stop()
+        except Exception:  # exiting anyway; the next run cleans any temporary directory
+            io._worker.kill()
 
 
 def remove_checkpoint(path: str | os.PathLike[str]) -> None:
-    """Remove a checkpoint. A directory is first renamed to a hidden temporary name, so a crash
-    mid-removal never leaves a half-deleted checkpoint under its real name."""
-    path = os.path.abspath(_check_local(path, "path"))
-    if not os.path.lexists(path):
-        return
-    if not os.path.isdir(path) or os.path.islink(path):
-        os.remove(path)
-        return
-    if not os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)) and os.listdir(path):
-        raise CheckpointError(
-            f"Refusing to remove {path!r}: it is a non-empty directory without {fmt.MANIFEST_FILE}, so not a"
-            " lightning_ckpt checkpoint. Remove it by hand if it should go.",
-            path,
-        )
-    parent, name = os.path.split(path)
-    doomed = os.path.join(parent, f".{name}{TMP_MARKER}{os.getpid()}-removing")
-    os.rename(path, doomed)
-    clean_stale(parent)  # removes `doomed` (it has no live lock) and any other leftovers
+    """Remove a checkpoint directory (or legacy file). Refuses directories that are not checkpoints;
+    an interrupted removal never leaves a half-deleted checkpoint under its real name."""
+    writer.remove_checkpoint(os.path.abspath(_check_local(path, "path")))
 
 
 _load_patch_lock = threading.Lock()

@@ -20,7 +20,7 @@ import math
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -63,11 +63,12 @@ class Blob:
     """A contiguous run of bytes stored under ``name`` in one shard file.
 
     ``source`` is a tensor whose (contiguous) bytes are the blob; it may live on any device.
+    It is ``None`` in a plan handed to the writer process, which reads staged bytes instead.
     """
 
     component: str
     name: str
-    source: torch.Tensor
+    source: torch.Tensor | None
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
@@ -117,6 +118,11 @@ class Plan:
 
     def file_of_blob(self) -> dict[tuple[str, str], str]:
         return {(s.component, b.name): s.filename for s in self.shards for b in s.blobs}
+
+    def without_data(self) -> Plan:
+        """The same plan with no tensors and no tree: small, picklable, for the writer process."""
+        shards = tuple(replace(s, blobs=tuple(replace(b, source=None) for b in s.blobs)) for s in self.shards)
+        return replace(self, tree=None, shards=shards)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import torch
 
 from lightning_ckpt import manifest as fmt
 from lightning_ckpt._fs import drop_page_cache
-from lightning_ckpt.errors import CheckpointWriteError
+from lightning_ckpt.errors import CheckpointError, CheckpointWriteError
 from lightning_ckpt.plan import Blob, Plan, dtype_name
 
 TMP_MARKER = ".lckpt-tmp-"
@@ -181,12 +181,42 @@ class ShardWriter:
         return fmt.FileRecord(size=total, crc32=fmt.format_checksum(crc))
 
 
+    def write_image(self, path: str, buffer: mmap.mmap, offset: int, size: int, direct: bool) -> fmt.FileRecord:
+        """Write ``buffer[offset:offset+size]`` (a staged file image) to ``path`` without copying it.
+
+        ``offset`` is 4096-aligned and the buffer extends to the next multiple of 4096 after the
+        image, so ``O_DIRECT`` writes go straight from the buffer. A thread computes the crc32
+        while this one writes (both release the GIL).
+        """
+        image = memoryview(buffer)[offset : offset + size]
+        crc = [0]
+        hasher = threading.Thread(target=lambda: crc.__setitem__(0, fmt.checksum(image)), name="lightning_ckpt-hash")
+        fd = _open_for_write(path, direct)
+        try:
+            hasher.start()
+            if direct:
+                padded = memoryview(buffer)[offset : offset + -(-size // _ALIGN) * _ALIGN]
+                for start in range(0, len(padded), self.chunk_bytes):
+                    _write_all(fd, padded[start : start + self.chunk_bytes])
+                os.ftruncate(fd, size)
+            else:
+                _write_all(fd, image)
+            os.fsync(fd)
+            drop_page_cache(fd)
+        finally:
+            os.close(fd)
+            if hasher.ident is not None:
+                hasher.join()
+        return fmt.FileRecord(size=size, crc32=fmt.format_checksum(crc[0]))
+
+
 def _byte_pieces(header: bytes, blobs: tuple[Blob, ...], chunk: int) -> Iterator[torch.Tensor]:
     """The file's bytes as flat uint8 tensors, on their own device (copied to host by the filler)."""
     yield torch.frombuffer(bytearray(header), dtype=torch.uint8)
     for blob in blobs:
         if blob.nbytes == 0:
             continue
+        assert blob.source is not None, "a plan without data is written from staged images"
         source = blob.source.detach()
         if not source.is_contiguous():
             source = source.contiguous()  # at most one tensor's worth of extra memory
@@ -401,8 +431,13 @@ def write_checkpoint(
     created_by: dict[str, str],
     global_step: int | None = None,
     epoch: int | None = None,
+    images: tuple[mmap.mmap, dict[str, tuple[int, int]]] | None = None,
 ) -> WriteResult:
-    """Write ``plan`` as a committed checkpoint directory at ``target`` (see the commit protocol)."""
+    """Write ``plan`` as a committed checkpoint directory at ``target`` (see the commit protocol).
+
+    Shard bytes come from the plan's tensors, or, with ``images`` (a staging buffer and
+    ``{filename: (offset, size)}``), from file images staged there (the async path).
+    """
     start = time.perf_counter()
     target = os.path.abspath(os.fspath(target))
     parent = os.path.dirname(target)
@@ -425,10 +460,13 @@ def write_checkpoint(
         file_of_blob = plan.file_of_blob()
         weight_map: dict[str, str] = {}
         for shard in plan.shards:
-            header, _ = fmt.build_header([(b.name, b.dtype, b.shape, b.nbytes) for b in shard.blobs])
-            files[shard.filename] = shard_writer.write_shard(
-                os.path.join(tmp.path, shard.filename), header, shard.blobs, direct
-            )
+            file_path = os.path.join(tmp.path, shard.filename)
+            if images is not None:
+                offset, size = images[1][shard.filename]
+                files[shard.filename] = shard_writer.write_image(file_path, images[0], offset, size, direct)
+            else:
+                header, _ = fmt.build_header([(b.name, b.dtype, b.shape, b.nbytes) for b in shard.blobs])
+                files[shard.filename] = shard_writer.write_shard(file_path, header, shard.blobs, direct)
             if shard.component == "model":
                 weight_map.update({b.name: shard.filename for b in shard.blobs})
         files[fmt.METADATA_FILE] = write_small(os.path.join(tmp.path, fmt.METADATA_FILE), metadata)
@@ -482,3 +520,25 @@ def write_checkpoint(
     total = manifest.total_bytes + len(data)
     return WriteResult(target, total, time.perf_counter() - start, len(files) + 1, direct)
 
+
+def remove_checkpoint(path: str) -> None:
+    """Remove a checkpoint directory or file at the absolute ``path``.
+
+    A directory is first renamed to a hidden temporary name, so a crash mid-removal never leaves a
+    half-deleted checkpoint under its real name. Refuses a directory that is not a checkpoint.
+    """
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path) or os.path.islink(path):
+        os.remove(path)
+        return
+    if not os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)) and os.listdir(path):
+        raise CheckpointError(
+            f"Refusing to remove {path!r}: it is a non-empty directory without {fmt.MANIFEST_FILE}, so not a"
+            " lightning_ckpt checkpoint. Remove it by hand if it should go.",
+            path,
+        )
+    parent, name = os.path.split(path)
+    doomed = os.path.join(parent, f".{name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}-removing")
+    os.rename(path, doomed)
+    clean_stale(parent)  # removes `doomed` (no live lock holds it) and any other leftovers

@@ -2,7 +2,7 @@
 
 Fits 2 epochs with 2 CPU ranks (gloo) saving through ShardedCheckpointIO, resumes from
 ``ckpt_path="last"`` to 4 epochs, and runs an uninterrupted 4-epoch reference; rank 0 writes a
-JSON report to ``argv[1]``.
+JSON report to ``argv[1]``. ``argv[2] == "async"`` saves with ``async_save=True``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from models import TinyRegressor, trainer_kwargs  # noqa: E402
 import lightning_ckpt as lc  # noqa: E402
 
 
+ASYNC = len(sys.argv) > 2 and sys.argv[2] == "async"
+
+
 def fit(out: str, max_epochs: int, checkpoint: bool, ckpt_path: str | None = None) -> tuple[Trainer, TinyRegressor]:
     seed_everything(0, workers=True)
     model = TinyRegressor()
@@ -33,7 +36,7 @@ def fit(out: str, max_epochs: int, checkpoint: bool, ckpt_path: str | None = Non
         max_epochs=max_epochs,
         callbacks=callbacks,
         enable_checkpointing=checkpoint,
-        plugins=[lc.ShardedCheckpointIO()],
+        plugins=[lc.ShardedCheckpointIO(async_save=ASYNC)],
         **trainer_kwargs(strategy="ddp", devices=2),
     )
     trainer.fit(model, ckpt_path=ckpt_path)

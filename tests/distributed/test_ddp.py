@@ -12,12 +12,13 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 
-def test_ddp_save_and_resume_on_two_cpu_ranks(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ddp_save_and_resume_on_two_cpu_ranks(tmp_path, mode):
     report = tmp_path / "report.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run(
-        [sys.executable, os.path.join(os.path.dirname(__file__), "ddp_fit.py"), str(report)],
+        [sys.executable, os.path.join(os.path.dirname(__file__), "ddp_fit.py"), str(report), mode],
         cwd=tmp_path,
         env=env,
         capture_output=True,

@@ -1,0 +1,177 @@
+"""When a safe copy exists: the host staging pool of async saves.
+
+The pool is one shared-memory file (``memfd``; an unlinked file in ``/dev/shm`` where memfd is
+missing), allocated on the first save and reused by every later one; it grows only when the state
+grows and is never shrunk. No name of it exists in the filesystem, so a crash of both processes
+leaks nothing. The writer process maps it through a file descriptor passed over a socket.
+
+Staging lays out each shard as its exact *file image* (safetensors header + tensor bytes) at a
+4096-aligned offset, so the writer process writes it with ``O_DIRECT`` straight from the pool,
+without another copy. On CUDA the pool is page-locked (``cudaHostRegister``) and the copies run
+``non_blocking`` on a side stream; the current stream then waits for them, so in-place updates
+issued after ``save_checkpoint`` returns (forward-pass buffers, ``optimizer.step``) cannot race the
+copy, while the host returns at once. Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lightning_ckpt import manifest as fmt
+from lightning_ckpt.plan import Plan
+
+ALIGN = 4096
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLayout:
+    """Where each shard's file image lies in the pool: filename -> (offset, file size)."""
+
+    nbytes: int  # pool bytes needed (images padded to ALIGN, so O_DIRECT can write the tails)
+    images: dict[str, tuple[int, int]]
+
+
+def layout(plan: Plan) -> tuple[ImageLayout, dict[str, tuple[bytes, dict[str, fmt.HeaderEntry]]]]:
+    """Pure: the pool layout of ``plan`` and each shard's header (bytes, entries)."""
+    offset = 0
+    images: dict[str, tuple[int, int]] = {}
+    headers = {}
+    for shard in plan.shards:
+        header, entries = fmt.build_header([(b.name, b.dtype, b.shape, b.nbytes) for b in shard.blobs])
+        size = len(header) + shard.nbytes
+        images[shard.filename] = (offset, size)
+        headers[shard.filename] = (header, entries)
+        offset += _align(size)
+    return ImageLayout(offset, images), headers
+
+
+def _new_shared_fd(nbytes: int) -> int:
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("lightning_ckpt-staging", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - non-Linux
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        fd, name = tempfile.mkstemp(prefix="lightning_ckpt-staging-", dir=folder)
+        os.unlink(name)
+    os.ftruncate(fd, nbytes)
+    return fd
+
+
+class StagingPool:
+    """A reusable shared-memory buffer holding the file images of one checkpoint.
+
+    Not thread-safe; the caller (``ShardedCheckpointIO``) guarantees that the writer process has
+    finished reading the pool before it is staged again (one save in flight).
+
+    Args:
+        max_bytes: refuse to grow beyond this (``None``: no cap). See ``ShardedCheckpointIO``.
+    """
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.max_bytes = max_bytes
+        self.fd: int | None = None
+        self.nbytes = 0
+        self.generation = 0  # bumped whenever a new buffer replaces the old one
+        self._map: mmap.mmap | None = None
+        self._view: torch.Tensor | None = None
+        self._pinned = False
+        self._stream: torch.cuda.Stream | None = None
+
+    def reserve(self, nbytes: int) -> None:
+        """Make the pool at least ``nbytes`` large (a new buffer only when it must grow)."""
+        if nbytes <= self.nbytes and self._map is not None:
+            return
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            raise ValueError(
+                f"this checkpoint needs {nbytes} bytes of staging memory, above `staging_pool_size`"
+                f" ({self.max_bytes}). Raise `staging_pool_size` or save with `async_save=False`."
+            )
+        self.close()
+        self.fd = _new_shared_fd(nbytes)
+        self._map = mmap.mmap(self.fd, nbytes)
+        self._view = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.nbytes = nbytes
+        self.generation += 1
+
+    @property
+    def buffer(self) -> mmap.mmap:
+        assert self._map is not None, "reserve() first"
+        return self._map
+
+    def stage(self, plan: Plan) -> tuple[ImageLayout, Callable[[], None]]:
+        """Copy every blob of ``plan`` into the pool as shard file images.
+
+        Returns the layout and ``ready()``, which blocks until the bytes are in the pool (at once
+        for host tensors; device tensors are copied asynchronously on a side stream).
+        """
+        image_layout, headers = layout(plan)
+        self.reserve(max(image_layout.nbytes, ALIGN))
+        view = self._view
+        assert view is not None
+        on_device = any(b.source is not None and b.source.device.type == "cuda" for s in plan.shards for b in s.blobs)
+        if on_device:
+            self._pin()
+            assert self._stream is not None
+            self._stream.wait_stream(torch.cuda.current_stream())
+        for shard in plan.shards:
+            base, _ = image_layout.images[shard.filename]
+            header, entries = headers[shard.filename]
+            view[base : base + len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+            data = base + len(header)
+            for blob in shard.blobs:
+                if blob.nbytes == 0:
+                    continue
+                assert blob.source is not None
+                entry = entries[blob.name]
+                target = view[data + entry.begin : data + entry.end].view(blob.source.dtype).view(blob.source.shape)
+                if blob.source.device.type == "cuda":
+                    with torch.cuda.stream(self._stream):
+                        target.copy_(blob.source.detach(), non_blocking=True)
+                        blob.source.record_stream(self._stream)
+                else:
+                    target.copy_(blob.source.detach())
+        if not on_device:
+            return image_layout, lambda: None
+        done = torch.cuda.Event()
+        done.record(self._stream)
+        # Later work on the training stream (in-place updates) waits for the copies; the host does not.
+        torch.cuda.current_stream().wait_event(done)
+        return image_layout, done.synchronize
+
+    def _pin(self) -> None:
+        if self._pinned:
+            return
+        assert self._map is not None
+        address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        result = torch.cuda.cudart().cudaHostRegister(address, self.nbytes, 0)
+        self._pinned = int(result) == 0  # unpinned memory still works, only slower
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+
+    def close(self) -> None:
+        """Release the buffer (the writer process drops its own mapping when told of a new one)."""
+        if self._map is not None:
+            if self._pinned:
+                address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+                torch.cuda.cudart().cudaHostUnregister(address)
+                self._pinned = False
+            self._view = None
+            try:
+                self._map.close()
+            except BufferError:  # a tensor view is still alive somewhere; freed with it
+                pass
+            self._map = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.nbytes = 0

@@ -1,0 +1,304 @@
+"""The persistent writer process of async saves, and the parent's handle on it.
+
+The child is started with ``python -m lightning_ckpt.worker`` (not ``multiprocessing``), so a user's
+training script is never re-imported in it; it runs in a session of its own, so a Ctrl-C in the
+terminal does not interrupt a write, and at a lower CPU priority than training. Parent and child
+talk over a Unix socket pair: length-prefixed pickle frames, with the staging pool's file
+descriptor passed alongside (``SCM_RIGHTS``) whenever the pool is replaced.
+
+Jobs run in order, one at a time, so a removal queued after a save runs only once that save has
+committed (``ModelCheckpoint`` removes the displaced top-k checkpoint right after asking for the
+new one). If the child dies, every job it had is failed with the exit status, its temporary
+directories are left unlocked (the next save cleans them), and the next save starts a new child.
+Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_ckpt.errors import CheckpointWriteError
+
+_HEADER = struct.Struct("<Q")
+
+
+def _send(sock: socket.socket, message: Any, fds: list[int] | None = None) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    header = _HEADER.pack(len(data))
+    if fds:
+        socket.send_fds(sock, [header], fds)
+    else:
+        sock.sendall(header)
+    sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def _recv(sock: socket.socket) -> tuple[Any, list[int]]:
+    data, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 4)
+    if not data:
+        raise EOFError
+    if len(data) < _HEADER.size:
+        data += _recv_exact(sock, _HEADER.size - len(data))
+    (length,) = _HEADER.unpack(data)
+    return pickle.loads(_recv_exact(sock, length)), list(fds)
+
+
+@dataclass
+class _Job:
+    kind: str
+    path: str
+    submitted: float = field(default_factory=time.time)  # wall clock, comparable with the child's
+
+
+class WriterProcess:
+    """Parent-side handle: start lazily, submit jobs, collect results, detect death, stop.
+
+    Not thread-safe: owned by one ``ShardedCheckpointIO``, used from the training thread.
+    """
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._pool_generation = 0  # generation of the staging pool the child has mapped
+        self._next_id = 0
+        self._jobs: dict[int, _Job] = {}
+        self._errors: list[CheckpointWriteError] = []
+        self.results: list[dict[str, Any]] = []  # completed saves, oldest first (the caller trims)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def _start(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "lightning_ckpt.worker", str(child.fileno())],
+            pass_fds=(child.fileno(),),
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
+        child.close()
+        self._sock = parent
+        self._pool_generation = 0
+        _send(parent, {"kind": "config", **self.config})
+
+    def submit(self, kind: str, path: str, payload: dict[str, Any], pool: tuple[int, int] | None = None) -> None:
+        """Queue a job (``save`` or ``remove``). ``pool`` is (fd, generation) of the staging buffer."""
+        if self._proc is not None and self._proc.poll() is not None:
+            self._collect(block=False)  # replies it sent before dying
+            if self._proc is not None:
+                self._died()
+        if self._proc is None:
+            self._start()
+        assert self._sock is not None
+        fds = None
+        if pool is not None and pool[1] != self._pool_generation:
+            fds = [pool[0]]
+            self._pool_generation = pool[1]
+        job_id = self._next_id
+        self._next_id += 1
+        self._jobs[job_id] = _Job(kind, path)
+        try:
+            _send(self._sock, {"kind": kind, "id": job_id, "path": path, **payload}, fds)
+        except OSError:
+            self._collect(block=False)  # the child died: fail its jobs (this one included)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a save is still being written (collects finished jobs first)."""
+        self._collect(block=False)
+        return any(job.kind == "save" for job in self._jobs.values())
+
+    def in_flight(self) -> list[str]:
+        self._collect(block=False)
+        return [job.path for job in self._jobs.values() if job.kind == "save"]
+
+    def wait(self) -> None:
+        """Block until every queued job finished (or the child died)."""
+        while self._jobs:
+            self._collect(block=True)
+
+    def take_errors(self) -> list[CheckpointWriteError]:
+        """Errors of finished jobs, each handed out once."""
+        self._collect(block=False)
+        errors, self._errors = self._errors, []
+        return errors
+
+    def _collect(self, block: bool) -> None:
+        if self._sock is None or not self._jobs:
+            return
+        while self._jobs:
+            readable, _, _ = select.select([self._sock], [], [], 0.5 if block else 0)
+            if not readable:
+                if block and self._proc is not None and self._proc.poll() is not None:
+                    self._died()
+                    return
+                if block:
+                    continue
+                return
+            try:
+                message, _ = _recv(self._sock)
+            except (EOFError, OSError):
+                self._died()
+                return
+            job = self._jobs.pop(message["id"], None)
+            if message["status"] == "ok":
+                if job is not None and job.kind == "save":
+                    self.results.append({**message["result"], "path": job.path, "submitted": job.submitted})
+            else:
+                self._errors.append(
+                    CheckpointWriteError(
+                        f"Background {job.kind if job else 'job'} of checkpoint {message['path']!r} failed:"
+                        f" {message['error']}. The checkpoint was not committed; earlier checkpoints are intact.",
+                        message["path"],
+                    )
+                )
+            if block:
+                return
+
+    def _died(self) -> None:
+        code = None
+        if self._proc is not None:
+            try:
+                code = self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                code = self._proc.wait()
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        for job in self._jobs.values():
+            if job.kind == "save":
+                self._errors.append(
+                    CheckpointWriteError(
+                        f"The checkpoint writer process {how} while writing {job.path!r}; that checkpoint was"
+                        " not committed (earlier checkpoints are intact). A new writer starts with the next save.",
+                        job.path,
+                    )
+                )
+        self._jobs.clear()
+        self._close_socket()
+        self._proc = None
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Finish queued jobs, then end the child."""
+        if self._proc is None:
+            return
+        self.wait()
+        if self._sock is not None and self._proc is not None:
+            try:
+                _send(self._sock, {"kind": "stop", "id": -1, "path": ""})
+                self._proc.wait(timeout=timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+        self._close_socket()
+        self._proc = None
+
+    def kill(self) -> None:
+        """End the child at once (tests, and interpreter exit with saves still queued)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+
+# ----------------------------------------------------------------------------------------------
+# Child side
+
+
+def _serve(sock: socket.socket) -> None:
+    from lightning_ckpt.writer import ShardWriter, remove_checkpoint, write_checkpoint
+
+    writer: ShardWriter | None = None
+    pool: mmap.mmap | None = None
+    while True:
+        try:
+            message, fds = _recv(sock)
+        except EOFError:
+            return  # the training process is gone; nothing more will come
+        if fds:
+            if pool is not None:
+                pool.close()
+            pool = mmap.mmap(fds[0], 0)
+            os.close(fds[0])
+        kind = message["kind"]
+        if kind == "config":
+            writer = ShardWriter(message["chunk_bytes"], message["direct_io"])
+            continue
+        if kind == "stop":
+            return
+        reply: dict[str, Any] = {"id": message["id"], "path": message["path"], "status": "ok"}
+        try:
+            if kind == "save":
+                assert writer is not None and pool is not None
+                started = time.perf_counter()
+                result = write_checkpoint(
+                    message["plan"],
+                    message["path"],
+                    writer,
+                    metadata=message["metadata"],
+                    created_by=message["created_by"],
+                    global_step=message["global_step"],
+                    epoch=message["epoch"],
+                    images=(pool, message["images"]),
+                )
+                reply["result"] = {
+                    "nbytes": result.nbytes,
+                    "write_seconds": time.perf_counter() - started,
+                    "files": result.files,
+                    "direct_io": result.direct_io,
+                    "durable_at": time.time(),
+                }
+            elif kind == "remove":
+                remove_checkpoint(message["path"])
+            else:
+                raise ValueError(f"unknown job {kind!r}")
+        except Exception as err:  # reported to the training process, raised there once
+            reply.update(status="error", error=f"{type(err).__name__}: {err}")
+        _send(sock, reply)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the training process decides when to stop us
+    try:
+        os.nice(5)  # leave the CPU to training when both want it
+    except OSError:
+        pass
+    sock = socket.socket(fileno=int(argv[0]))
+    try:
+        _serve(sock)
+    finally:
+        sock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

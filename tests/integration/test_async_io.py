@@ -1,0 +1,234 @@
+"""Async saves: a staging pool in shared memory and a persistent writer process (real processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from models import STEPS_PER_EPOCH, TinyRegressor, trainer_kwargs
+
+import lightning_ckpt as lc
+
+
+@pytest.fixture
+def async_io():
+    io = lc.ShardedCheckpointIO(async_save=True)
+    yield io
+    io.teardown()
+    assert io._worker.pid is None
+
+
+def _state(scale: int = 1) -> dict:
+    emb = torch.randn(100, 16)
+    return {
+        "global_step": 1,
+        "state_dict": {
+            "emb": emb,
+            "tied": emb,
+            "half": torch.randn(7, 3).bfloat16(),
+            "t": torch.randn(8, 4).t(),  # non-contiguous
+            "count": torch.tensor(3),
+            "big": torch.randn(scale * 250_000),
+        },
+        "optimizer_states": [{"state": {0: {"exp_avg": torch.randn(50, 50), "step": torch.tensor(5.0)}}}],
+    }
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def test_snapshot_holds_the_state_at_save_time(async_io, tmp_path):
+    state = _state()
+    expected = {id(t): t.clone() for t in _tensors(state)}
+    async_io.save_checkpoint(state, tmp_path / "a.ckpt")
+    for t in _tensors(state):  # training goes on and mutates everything in place
+        t.add_(1) if t.dtype != torch.bool else t.logical_not_()
+    async_io.wait()
+    loaded = lc.load_checkpoint(tmp_path / "a.ckpt", verify=True)
+    flat_saved = list(_tensors(loaded))
+    flat_expected = [expected[id(t)] for t in _tensors(state)]
+    assert len(flat_saved) == len(flat_expected)
+    for got, want in zip(flat_saved, flat_expected):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert loaded["state_dict"]["emb"].data_ptr() == loaded["state_dict"]["tied"].data_ptr()
+
+
+def test_async_and_sync_write_identical_files(async_io, tmp_path):
+    state = _state()
+    async_io.save_checkpoint(state, tmp_path / "async.ckpt")
+    lc.save_checkpoint(state, tmp_path / "sync.ckpt")
+    async_io.wait()
+    names = sorted(os.listdir(tmp_path / "sync.ckpt"))
+    assert sorted(os.listdir(tmp_path / "async.ckpt")) == names
+    for name in names:
+        if name != "manifest.json":
+            assert (tmp_path / "async.ckpt" / name).read_bytes() == (tmp_path / "sync.ckpt" / name).read_bytes(), name
+
+
+def test_staging_pool_is_reused_and_grows_only_with_the_state(async_io, tmp_path):
+    for i in range(4):
+        async_io.save_checkpoint(_state(), tmp_path / f"s{i}.ckpt")
+        if i == 0:
+            generation, size = async_io._pool.generation, async_io._pool.nbytes
+    async_io.wait()
+    assert (async_io._pool.generation, async_io._pool.nbytes) == (generation, size)
+    async_io.save_checkpoint(_state(scale=3), tmp_path / "bigger.ckpt")
+    assert async_io._pool.generation == generation + 1 and async_io._pool.nbytes > size
+    async_io.wait()
+    for name in ("s0.ckpt", "s3.ckpt", "bigger.ckpt"):
+        lc.verify_checkpoint(tmp_path / name)
+
+
+def test_removal_waits_for_the_replacing_save(async_io, tmp_path):
+    async_io.save_checkpoint(_state(), tmp_path / "old.ckpt")
+    async_io.wait()
+    async_io.save_checkpoint(_state(scale=100), tmp_path / "new.ckpt")
+    async_io.remove_checkpoint(tmp_path / "old.ckpt")  # what ModelCheckpoint does right after a save
+    # Invariant at every instant: the old checkpoint is gone only once the new one is committed.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        old_there = (tmp_path / "old.ckpt").exists()
+        new_committed = (tmp_path / "new.ckpt" / "manifest.json").exists()
+        assert old_there or new_committed
+        if new_committed and not old_there:
+            break
+    async_io.wait()
+    assert sorted(os.listdir(tmp_path)) == ["new.ckpt"]
+
+
+def test_load_waits_for_a_save_in_flight(async_io, tmp_path):
+    async_io.save_checkpoint(_state(scale=20), tmp_path / "x.ckpt")
+    loaded = async_io.load_checkpoint(tmp_path / "x.ckpt")  # the writer is still starting up here
+    assert loaded["global_step"] == 1
+
+
+def test_when_busy_skip_counts_warns_and_protects_the_displaced_checkpoint(tmp_path):
+    io = lc.ShardedCheckpointIO(async_save=True, when_busy="skip")
+    try:
+        io.save_checkpoint(_state(), tmp_path / "first.ckpt")  # the writer process is still starting
+        with pytest.warns(UserWarning, match="still being written"):
+            io.save_checkpoint(_state(), tmp_path / "second.ckpt")
+        assert io.skipped_saves == 1
+        with pytest.warns(UserWarning, match="was skipped"):
+            io.remove_checkpoint(tmp_path / "first.ckpt")
+        io.wait()
+        assert sorted(os.listdir(tmp_path)) == ["first.ckpt"]
+    finally:
+        io.teardown()
+
+
+def test_background_error_is_raised_once_then_cleared(async_io, tmp_path):
+    async_io.save_checkpoint(_state(), tmp_path / "good.ckpt")
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where a folder should be")
+    async_io.save_checkpoint(_state(), blocker / "bad.ckpt")
+    with pytest.raises(lc.CheckpointWriteError, match="bad.ckpt") as info:
+        async_io.wait()
+    assert info.value.path == str(blocker / "bad.ckpt")
+    async_io.wait()  # cleared: not raised again
+    async_io.save_checkpoint(_state(), tmp_path / "after.ckpt")
+    async_io.wait()
+    lc.verify_checkpoint(tmp_path / "good.ckpt")
+    lc.verify_checkpoint(tmp_path / "after.ckpt")
+
+
+def test_background_error_surfaces_at_the_next_save(async_io, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    async_io.save_checkpoint(_state(), blocker / "bad.ckpt")
+    async_io._worker.wait()
+    with pytest.raises(lc.CheckpointWriteError, match="bad.ckpt"):
+        async_io.save_checkpoint(_state(), tmp_path / "next.ckpt")
+    async_io.save_checkpoint(_state(), tmp_path / "next.ckpt")
+    async_io.wait()
+    lc.verify_checkpoint(tmp_path / "next.ckpt")
+
+
+def test_on_error_warn_lets_training_go_on(tmp_path):
+    io = lc.ShardedCheckpointIO(async_save=True, on_error="warn")
+    try:
+        blocker = tmp_path / "file"
+        blocker.write_text("")
+        io.save_checkpoint(_state(), blocker / "bad.ckpt")
+        with pytest.warns(UserWarning, match="bad.ckpt"):
+            io.wait()
+    finally:
+        io.teardown()
+
+
+def test_writer_killed_mid_save_is_detected_and_restarted(async_io, tmp_path):
+    async_io.save_checkpoint(_state(), tmp_path / "good.ckpt")
+    async_io.wait()
+    first_pid = async_io._worker.pid
+    async_io.save_checkpoint(_state(scale=200), tmp_path / "doomed.ckpt")  # 200 MB: still writing
+    os.kill(first_pid, signal.SIGKILL)
+    started = time.perf_counter()
+    with pytest.raises(lc.CheckpointWriteError, match="killed by signal 9"):
+        async_io.wait()
+    assert time.perf_counter() - started < 30  # detected, not hung
+    assert not (tmp_path / "doomed.ckpt").exists()
+    async_io.save_checkpoint(_state(), tmp_path / "after.ckpt")
+    async_io.wait()
+    assert async_io._worker.pid not in (None, first_pid)
+    assert sorted(os.listdir(tmp_path)) == ["after.ckpt", "good.ckpt"]  # leftovers cleaned
+    lc.verify_checkpoint(tmp_path / "good.ckpt")
+
+
+def test_teardown_leaves_no_process_and_no_shared_memory(tmp_path):
+    io = lc.ShardedCheckpointIO(async_save=True)
+    io.save_checkpoint(_state(), tmp_path / "a.ckpt")
+    pid = io._worker.pid
+    io.teardown()
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    assert lc.load_checkpoint(tmp_path / "a.ckpt", verify=True)["global_step"] == 1
+    if os.path.isdir("/dev/shm"):
+        assert not [n for n in os.listdir("/dev/shm") if "lightning_ckpt" in n]
+    io.save_checkpoint(_state(), tmp_path / "b.ckpt")  # usable again after teardown (fit -> validate -> fit)
+    io.teardown()
+    lc.verify_checkpoint(tmp_path / "b.ckpt")
+
+
+def test_async_trainer_saves_every_step_and_resumes_bit_identically(tmp_path):
+    def fit(max_epochs, ckpt_path=None, checkpointing=True):
+        seed_everything(0, workers=True)
+        model = TinyRegressor()
+        callbacks = (
+            [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=2, monitor="train_loss", save_last=True)]
+            if checkpointing
+            else []
+        )
+        trainer = Trainer(
+            max_epochs=max_epochs,
+            callbacks=callbacks,
+            enable_checkpointing=checkpointing,
+            plugins=[lc.ShardedCheckpointIO(async_save=True)],
+            **trainer_kwargs(),
+        )
+        trainer.fit(model, ckpt_path=ckpt_path)
+        return trainer, model
+
+    _, reference = fit(4, checkpointing=False)
+    fit(2)
+    names = [n for n in os.listdir(tmp_path) if not n.startswith(".")]
+    assert "last.ckpt" in names and len(names) == 3, names
+    for name in names:
+        lc.verify_checkpoint(tmp_path / name)
+    assert lc.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 2 * STEPS_PER_EPOCH
+    trainer, resumed = fit(4, ckpt_path="last")
+    assert resumed.losses == reference.losses[2 * STEPS_PER_EPOCH :]
+    for key, value in reference.state_dict().items():
+        assert torch.equal(resumed.state_dict()[key], value), key
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
