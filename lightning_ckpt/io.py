@@ -17,9 +17,11 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
+from collections.abc import Callable
 from typing import Any, Literal, Optional, TypeVar
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from typing_extensions import override
 
@@ -27,6 +29,7 @@ from lightning_ckpt import manifest as fmt
 from lightning_ckpt import reader
 from lightning_ckpt.errors import CheckpointNotFoundError, CheckpointWriteError
 from lightning_ckpt.plan import Plan, make_plan, parse_size
+from lightning_ckpt import staging
 from lightning_ckpt.staging import StagingPool
 from lightning_ckpt import writer
 from lightning_ckpt.worker import WriterProcess
@@ -189,7 +192,9 @@ class ShardedCheckpointIO(CheckpointIO):
         self._writer = ShardWriter(parse_size(buffer_size, "buffer_size"), direct_io)
         self._pool = StagingPool(pool_cap)
         self._worker = WriterProcess({"chunk_bytes": self._writer.chunk_bytes, "direct_io": direct_io})
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._deferred: tuple[Callable[[], None], Callable[[], None]] | None = None
+        self._deferred_hook: Any = None
         self._refuse_next_removal = False
         self.skipped_saves = 0
         self.last_save: WriteResult | None = None
@@ -208,6 +213,7 @@ class ShardedCheckpointIO(CheckpointIO):
                 f" got storage_options={storage_options!r}. Remove the argument."
             )
         path = os.path.abspath(_check_local(path, "path"))
+        self._flush_deferred()
         with self._lock:
             start = time.perf_counter()
             if not self.async_save:
@@ -228,23 +234,87 @@ class ShardedCheckpointIO(CheckpointIO):
                 self._worker.wait()
                 self._report(self._worker.take_errors())
             self._refuse_next_removal = False
-            prepared = _prepare(checkpoint, self.max_shard_size)
-            layout, ready = self._pool.stage(prepared.plan)
-            ready()
-            self._worker.submit(
-                "save",
-                path,
-                {
-                    "plan": prepared.plan.without_data(),
-                    "images": layout.images,
-                    "metadata": prepared.metadata,
-                    "created_by": _created_by(),
-                    "global_step": prepared.global_step,
-                    "epoch": prepared.epoch,
-                },
-                pool=(self._pool.fd, self._pool.generation),
-            )
+            self._stage_and_submit(_prepare(checkpoint, self.max_shard_size), path)
             self.last_stall_seconds = time.perf_counter() - start
+
+    def _stage_and_submit(self, prepared: _Prepared, path: str) -> None:
+        payload = {
+            "plan": prepared.plan.without_data(),
+            "metadata": prepared.metadata,
+            "created_by": _created_by(),
+            "global_step": prepared.global_step,
+            "epoch": prepared.epoch,
+        }
+        image_layout, headers = staging.layout(prepared.plan)
+        cap = self._pool.max_bytes
+        if cap is not None and image_layout.nbytes > cap:
+            self._stage_in_chunks(prepared, path, payload, image_layout, headers, cap)
+            return
+        image_layout, ready = self._pool.stage(prepared.plan)
+
+        def submit() -> None:
+            pool = (self._pool.fd, self._pool.generation)
+            self._worker.submit("save", path, {**payload, "images": image_layout.images}, pool=pool)
+
+        if ready is None:
+            submit()
+            return
+        # Device copies are still landing in the pool: hand the job to the writer just before the
+        # next optimizer step (or the next call into this plugin), so the host does not wait here.
+        self._deferred = (ready, submit)
+        self._deferred_hook = register_optimizer_step_pre_hook(lambda *_: self._flush_deferred())
+
+    def _flush_deferred(self) -> None:
+        with self._lock:
+            if self._deferred is None:
+                return
+            ready, submit = self._deferred
+            self._deferred = None
+            if self._deferred_hook is not None:
+                self._deferred_hook.remove()
+                self._deferred_hook = None
+            ready()
+            submit()
+
+    def _stage_in_chunks(
+        self,
+        prepared: _Prepared,
+        path: str,
+        payload: dict[str, Any],
+        image_layout: staging.ImageLayout,
+        headers: dict[str, Any],
+        cap: int,
+    ) -> None:
+        """A state larger than ``staging_pool_size``: stage shard by shard through a ring, blocking
+        only while the shards that do not fit wait for the writer to free space."""
+        largest = max(staging.aligned(size) for _, size in image_layout.images.values())
+        if largest > cap:
+            raise ValueError(
+                f"A shard of {largest} bytes does not fit `staging_pool_size` ({cap} bytes). Raise"
+                " `staging_pool_size` or lower `max_shard_size`."
+            )
+        self._pool.reserve(cap)
+        ring = staging.Ring(cap)
+        job_id: int | None = None
+        for shard in prepared.plan.shards:
+            _, size = image_layout.images[shard.filename]
+            start = ring.alloc(staging.aligned(size))
+            while start is None:
+                if job_id is None or not self._worker.wait_shard_written(job_id):
+                    self._report(self._worker.take_errors())  # the writer failed: raise it now
+                    raise CheckpointWriteError(f"Saving {path!r} stopped: the writer process ended the job.", path)
+                ring.free_oldest()
+                start = ring.alloc(staging.aligned(size))
+            self._pool.stage_shard(shard, headers[shard.filename], start)
+            ready = self._pool.copies_done()
+            if ready is not None:
+                ready()  # the writer reads this region next
+            if job_id is None:
+                pool = (self._pool.fd, self._pool.generation)
+                images = {shard.filename: (start, size)}
+                job_id = self._worker.submit("save", path, {**payload, "images": images, "chunked": True}, pool=pool)
+            else:
+                self._worker.send_images(job_id, {shard.filename: (start, size)})
 
     @override
     def load_checkpoint(
@@ -255,6 +325,7 @@ class ShardedCheckpointIO(CheckpointIO):
         Waits for saves still being written, so a checkpoint is never read before it is committed.
         """
         if self.async_save:
+            self._flush_deferred()
             with self._lock:
                 self._worker.wait()
         return load_checkpoint(path, map_location, weights_only, verify=self.verify_on_load == "full")
@@ -267,6 +338,7 @@ class ShardedCheckpointIO(CheckpointIO):
         removed once the one replacing it is committed.
         """
         path = os.path.abspath(_check_local(path, "path"))
+        self._flush_deferred()
         with self._lock:
             if self._refuse_next_removal:
                 self._refuse_next_removal = False
@@ -279,6 +351,7 @@ class ShardedCheckpointIO(CheckpointIO):
 
     def wait(self) -> None:
         """Block until every save in flight is durable; raise (once) what failed in the background."""
+        self._flush_deferred()
         with self._lock:
             self._worker.wait()
             self._report(self._worker.take_errors())
@@ -286,6 +359,7 @@ class ShardedCheckpointIO(CheckpointIO):
     @override
     def teardown(self) -> None:
         """Wait for saves in flight, stop the writer process and free the buffers."""
+        self._flush_deferred()
         with self._lock:
             try:
                 self._worker.stop()
@@ -316,6 +390,7 @@ class ShardedCheckpointIO(CheckpointIO):
         # Spawn-based strategies pickle the plugin: ship the configuration, not locks, buffers or processes.
         state = self.__dict__.copy()
         state["_lock"] = None
+        state["_deferred"] = state["_deferred_hook"] = None
         state["_writer"] = ShardWriter(self._writer.chunk_bytes, self._writer.direct_io)
         state["_pool"] = StagingPool(self._pool.max_bytes)
         state["_worker"] = WriterProcess(self._worker.config)
@@ -323,7 +398,7 @@ class ShardedCheckpointIO(CheckpointIO):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         _live_instances.add(self)
 
 

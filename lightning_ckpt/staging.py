@@ -19,18 +19,20 @@ import ctypes
 import mmap
 import os
 import tempfile
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from lightning_ckpt import manifest as fmt
-from lightning_ckpt.plan import Plan
+from lightning_ckpt.plan import Plan, Shard
 
 ALIGN = 4096
 
 
-def _align(n: int) -> int:
+def aligned(n: int) -> int:
+    """``n`` rounded up to ALIGN: the pool bytes a file image of ``n`` bytes occupies."""
     return -(-n // ALIGN) * ALIGN
 
 
@@ -52,7 +54,7 @@ def layout(plan: Plan) -> tuple[ImageLayout, dict[str, tuple[bytes, dict[str, fm
         size = len(header) + shard.nbytes
         images[shard.filename] = (offset, size)
         headers[shard.filename] = (header, entries)
-        offset += _align(size)
+        offset += aligned(size)
     return ImageLayout(offset, images), headers
 
 
@@ -86,6 +88,7 @@ class StagingPool:
         self._view: torch.Tensor | None = None
         self._pinned = False
         self._stream: torch.cuda.Stream | None = None
+        self._copies_queued = False
 
     def reserve(self, nbytes: int) -> None:
         """Make the pool at least ``nbytes`` large (a new buffer only when it must grow)."""
@@ -108,45 +111,56 @@ class StagingPool:
         assert self._map is not None, "reserve() first"
         return self._map
 
-    def stage(self, plan: Plan) -> tuple[ImageLayout, Callable[[], None]]:
-        """Copy every blob of ``plan`` into the pool as shard file images.
+    def stage(self, plan: Plan) -> tuple[ImageLayout, Callable[[], None] | None]:
+        """Copy every blob of ``plan`` into the pool as shard file images (the pool grows to fit).
 
-        Returns the layout and ``ready()``, which blocks until the bytes are in the pool (at once
-        for host tensors; device tensors are copied asynchronously on a side stream).
+        Returns the layout and ``ready``: ``None`` when the bytes are already in the pool (host
+        tensors), else a callable that blocks until the device copies have landed.
         """
         image_layout, headers = layout(plan)
         self.reserve(max(image_layout.nbytes, ALIGN))
+        for shard in plan.shards:
+            self.stage_shard(shard, headers[shard.filename], image_layout.images[shard.filename][0])
+        return image_layout, self.copies_done()
+
+    def stage_shard(self, shard: Shard, header: tuple[bytes, dict[str, fmt.HeaderEntry]], offset: int) -> None:
+        """Copy one shard's file image to ``offset`` (device copies are queued, see ``copies_done``)."""
         view = self._view
         assert view is not None
-        on_device = any(b.source is not None and b.source.device.type == "cuda" for s in plan.shards for b in s.blobs)
-        if on_device:
-            self._pin()
-            assert self._stream is not None
-            self._stream.wait_stream(torch.cuda.current_stream())
-        for shard in plan.shards:
-            base, _ = image_layout.images[shard.filename]
-            header, entries = headers[shard.filename]
-            view[base : base + len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-            data = base + len(header)
-            for blob in shard.blobs:
-                if blob.nbytes == 0:
-                    continue
-                assert blob.source is not None
-                entry = entries[blob.name]
-                target = view[data + entry.begin : data + entry.end].view(blob.source.dtype).view(blob.source.shape)
-                if blob.source.device.type == "cuda":
-                    with torch.cuda.stream(self._stream):
-                        target.copy_(blob.source.detach(), non_blocking=True)
-                        blob.source.record_stream(self._stream)
-                else:
-                    target.copy_(blob.source.detach())
-        if not on_device:
-            return image_layout, lambda: None
+        header_bytes, entries = header
+        view[offset : offset + len(header_bytes)].copy_(torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8))
+        data = offset + len(header_bytes)
+        for blob in shard.blobs:
+            if blob.nbytes == 0:
+                continue
+            assert blob.source is not None
+            entry = entries[blob.name]
+            target = view[data + entry.begin : data + entry.end].view(blob.source.dtype).view(blob.source.shape)
+            if blob.source.device.type == "cuda":
+                self._pin()
+                assert self._stream is not None
+                if not self._copies_queued:
+                    self._stream.wait_stream(torch.cuda.current_stream())
+                    self._copies_queued = True
+                with torch.cuda.stream(self._stream):
+                    target.copy_(blob.source.detach(), non_blocking=True)
+                    blob.source.record_stream(self._stream)
+            else:
+                target.copy_(blob.source.detach())
+
+    def copies_done(self) -> Callable[[], None] | None:
+        """``None`` if no device copy is queued, else a callable blocking until they have landed.
+
+        Later work on the training stream (in-place updates) is made to wait for the copies; the
+        host is not.
+        """
+        if not self._copies_queued:
+            return None
+        self._copies_queued = False
         done = torch.cuda.Event()
         done.record(self._stream)
-        # Later work on the training stream (in-place updates) waits for the copies; the host does not.
         torch.cuda.current_stream().wait_event(done)
-        return image_layout, done.synchronize
+        return done.synchronize
 
     def _pin(self) -> None:
         if self._pinned:
@@ -175,3 +189,38 @@ class StagingPool:
             os.close(self.fd)
             self.fd = None
         self.nbytes = 0
+
+
+class Ring:
+    """FIFO allocator over a pool smaller than the state: shards are written in the order they are
+    staged, so regions are freed oldest first (``free_oldest``) and new ones wrap around."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._live: deque[tuple[int, int]] = deque()
+
+    def alloc(self, size: int) -> int | None:
+        """Start of a free region of ``size`` bytes, or ``None`` until older regions are freed."""
+        if size > self.capacity:
+            raise ValueError(f"a {size}-byte shard image cannot fit a {self.capacity}-byte pool")
+        if not self._live:
+            start = 0
+        else:
+            oldest, newest_end = self._live[0][0], self._live[-1][1]
+            wrapped = self._live[-1][0] < oldest
+            if not wrapped and newest_end + size <= self.capacity:
+                start = newest_end
+            elif not wrapped and size <= oldest:
+                start = 0
+            elif wrapped and newest_end + size <= oldest:
+                start = newest_end
+            else:
+                return None
+        self._live.append((start, start + size))
+        return start
+
+    def free_oldest(self) -> None:
+        self._live.popleft()
+
+    def __len__(self) -> int:
+        return len(self._live)

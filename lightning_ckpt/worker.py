@@ -25,6 +25,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,7 @@ class WriterProcess:
         self._next_id = 0
         self._jobs: dict[int, _Job] = {}
         self._errors: list[CheckpointWriteError] = []
+        self._shards_written: deque[int] = deque()  # job id per shard written, in order
         self.results: list[dict[str, Any]] = []  # completed saves, oldest first (the caller trims)
 
     @property
@@ -106,8 +108,9 @@ class WriterProcess:
         self._pool_generation = 0
         _send(parent, {"kind": "config", **self.config})
 
-    def submit(self, kind: str, path: str, payload: dict[str, Any], pool: tuple[int, int] | None = None) -> None:
-        """Queue a job (``save`` or ``remove``). ``pool`` is (fd, generation) of the staging buffer."""
+    def submit(self, kind: str, path: str, payload: dict[str, Any], pool: tuple[int, int] | None = None) -> int:
+        """Queue a job (``save`` or ``remove``); returns its id. ``pool`` is (fd, generation) of the
+        staging buffer."""
         if self._proc is not None and self._proc.poll() is not None:
             self._collect(block=False)  # replies it sent before dying
             if self._proc is not None:
@@ -126,6 +129,27 @@ class WriterProcess:
             _send(self._sock, {"kind": kind, "id": job_id, "path": path, **payload}, fds)
         except OSError:
             self._collect(block=False)  # the child died: fail its jobs (this one included)
+        return job_id
+
+    def send_images(self, job_id: int, images: dict[str, tuple[int, int]]) -> None:
+        """Hand more staged shard images to save ``job_id`` (a pool smaller than the state)."""
+        if self._sock is None or job_id not in self._jobs:
+            return  # the job already ended (its error, if any, is in take_errors)
+        try:
+            _send(self._sock, {"kind": "images", "id": job_id, "images": images})
+        except OSError:
+            self._collect(block=False)
+
+    def wait_shard_written(self, job_id: int) -> bool:
+        """Block until save ``job_id`` has written one more shard; False if the job ended instead."""
+        while True:
+            while self._shards_written:
+                # Completions of an earlier job (its last shards, after staging ended) are stale.
+                if self._shards_written.popleft() == job_id:
+                    return True
+            if job_id not in self._jobs:
+                return False
+            self._collect(block=True)
 
     @property
     def busy(self) -> bool:
@@ -165,6 +189,11 @@ class WriterProcess:
             except (EOFError, OSError):
                 self._died()
                 return
+            if message.get("kind") == "shard_written":
+                self._shards_written.append(message["id"])
+                if block:
+                    return
+                continue
             job = self._jobs.pop(message["id"], None)
             if message["status"] == "ok":
                 if job is not None and job.kind == "save":
@@ -199,6 +228,7 @@ class WriterProcess:
                     )
                 )
         self._jobs.clear()
+        self._shards_written.clear()
         self._close_socket()
         self._proc = None
 
@@ -233,14 +263,39 @@ class WriterProcess:
 # Child side
 
 
+class _StagedImages:
+    """The child's view of a save's shard images (see ``writer.ImageSource``)."""
+
+    def __init__(self, sock: socket.socket, pool: mmap.mmap, message: dict[str, Any], backlog: deque) -> None:
+        self.sock, self.pool, self.backlog = sock, pool, backlog
+        self.job_id = message["id"]
+        self.images: dict[str, tuple[int, int]] = dict(message["images"])
+        self.chunked = message.get("chunked", False)
+
+    def image(self, filename: str) -> tuple[mmap.mmap, int, int]:
+        while filename not in self.images:  # the parent stages it once an older shard is written
+            message, fds = _recv(self.sock)
+            if message["kind"] == "images" and message["id"] == self.job_id:
+                self.images.update(message["images"])
+            else:
+                self.backlog.append((message, fds))
+        offset, size = self.images.pop(filename)
+        return self.pool, offset, size
+
+    def written(self, filename: str) -> None:
+        if self.chunked:
+            _send(self.sock, {"kind": "shard_written", "id": self.job_id, "filename": filename})
+
+
 def _serve(sock: socket.socket) -> None:
     from lightning_ckpt.writer import ShardWriter, remove_checkpoint, write_checkpoint
 
     writer: ShardWriter | None = None
     pool: mmap.mmap | None = None
+    backlog: deque[tuple[dict[str, Any], list[int]]] = deque()
     while True:
         try:
-            message, fds = _recv(sock)
+            message, fds = backlog.popleft() if backlog else _recv(sock)
         except EOFError:
             return  # the training process is gone; nothing more will come
         if fds:
@@ -254,6 +309,8 @@ def _serve(sock: socket.socket) -> None:
             continue
         if kind == "stop":
             return
+        if kind == "images":
+            continue  # for a save that already failed
         reply: dict[str, Any] = {"id": message["id"], "path": message["path"], "status": "ok"}
         try:
             if kind == "save":
@@ -267,7 +324,7 @@ def _serve(sock: socket.socket) -> None:
                     created_by=message["created_by"],
                     global_step=message["global_step"],
                     epoch=message["epoch"],
-                    images=(pool, message["images"]),
+                    images=_StagedImages(sock, pool, message, backlog),
                 )
                 reply["result"] = {
                     "nbytes": result.nbytes,
@@ -280,6 +337,8 @@ def _serve(sock: socket.socket) -> None:
                 remove_checkpoint(message["path"])
             else:
                 raise ValueError(f"unknown job {kind!r}")
+        except EOFError:
+            return  # the training process died mid-save; the temporary directory is gone already
         except Exception as err:  # reported to the training process, raised there once
             reply.update(status="error", error=f"{type(err).__name__}: {err}")
         _send(sock, reply)

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -43,6 +43,18 @@ TMP_MARKER = ".lckpt-tmp-"
 _ALIGN = 4096  # O_DIRECT alignment for buffer address, file offset and length
 DEFAULT_CHUNK_BYTES = 16 * 2**20
 _RING = 4  # buffers in flight: filling, hashing, writing, and one spare to absorb jitter
+
+
+class ImageSource(Protocol):
+    """Where the async path's shard file images are (see ``staging``).
+
+    ``image`` may block until the shard is staged (a pool smaller than the state is refilled as
+    the writer goes); ``written`` tells that the shard's region may be reused.
+    """
+
+    def image(self, filename: str) -> tuple[mmap.mmap, int, int]: ...
+
+    def written(self, filename: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,12 +443,12 @@ def write_checkpoint(
     created_by: dict[str, str],
     global_step: int | None = None,
     epoch: int | None = None,
-    images: tuple[mmap.mmap, dict[str, tuple[int, int]]] | None = None,
+    images: ImageSource | None = None,
 ) -> WriteResult:
     """Write ``plan`` as a committed checkpoint directory at ``target`` (see the commit protocol).
 
-    Shard bytes come from the plan's tensors, or, with ``images`` (a staging buffer and
-    ``{filename: (offset, size)}``), from file images staged there (the async path).
+    Shard bytes come from the plan's tensors, or, with ``images``, from shard file images staged
+    in shared memory (the async path).
     """
     start = time.perf_counter()
     target = os.path.abspath(os.fspath(target))
@@ -462,8 +474,9 @@ def write_checkpoint(
         for shard in plan.shards:
             file_path = os.path.join(tmp.path, shard.filename)
             if images is not None:
-                offset, size = images[1][shard.filename]
-                files[shard.filename] = shard_writer.write_image(file_path, images[0], offset, size, direct)
+                buffer, offset, size = images.image(shard.filename)
+                files[shard.filename] = shard_writer.write_image(file_path, buffer, offset, size, direct)
+                images.written(shard.filename)
             else:
                 header, _ = fmt.build_header([(b.name, b.dtype, b.shape, b.nbytes) for b in shard.blobs])
                 files[shard.filename] = shard_writer.write_shard(file_path, header, shard.blobs, direct)

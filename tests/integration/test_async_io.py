@@ -232,3 +232,36 @@ def test_async_trainer_saves_every_step_and_resumes_bit_identically(tmp_path):
     for key, value in reference.state_dict().items():
         assert torch.equal(resumed.state_dict()[key], value), key
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+def test_state_larger_than_the_pool_cap_is_staged_in_chunks(tmp_path):
+    state = {"state_dict": {f"w{i}": torch.randn(64_000) for i in range(12)}, "global_step": 7}  # 3 MB
+    expected = {k: v.clone() for k, v in state["state_dict"].items()}
+    io = lc.ShardedCheckpointIO(async_save=True, max_shard_size="300KB", staging_pool_size="1MB")
+    try:
+        io.save_checkpoint(state, tmp_path / "chunked.ckpt")
+        assert io._pool.nbytes == 10**6  # never grew beyond the cap
+        for t in state["state_dict"].values():
+            t.zero_()  # everything was staged (or written) before save_checkpoint returned
+        io.save_checkpoint(state, tmp_path / "zeros.ckpt")
+        io.wait()
+    finally:
+        io.teardown()
+    loaded = lc.load_checkpoint(tmp_path / "chunked.ckpt", verify=True)
+    for key, value in expected.items():
+        assert torch.equal(loaded["state_dict"][key], value)
+    lc.save_checkpoint({"state_dict": expected, "global_step": 7}, tmp_path / "sync.ckpt", max_shard_size="300KB")
+    for name in os.listdir(tmp_path / "sync.ckpt"):
+        if name != "manifest.json":
+            assert (tmp_path / "sync.ckpt" / name).read_bytes() == (tmp_path / "chunked.ckpt" / name).read_bytes()
+    assert lc.load_checkpoint(tmp_path / "zeros.ckpt")["state_dict"]["w0"].abs().sum() == 0
+
+
+def test_a_shard_larger_than_the_pool_cap_is_a_clear_error(tmp_path):
+    io = lc.ShardedCheckpointIO(async_save=True, staging_pool_size="100KB")
+    try:
+        with pytest.raises(ValueError, match="staging_pool_size"):
+            io.save_checkpoint({"state_dict": {"w": torch.randn(100_000)}}, tmp_path / "x.ckpt")
+    finally:
+        io.teardown()
+    assert not (tmp_path / "x.ckpt").exists()
