@@ -19,6 +19,7 @@ def test_plugin_from_lightning_cli_yaml(tmp_path):
     config.write_text(
         f"""
 trainer:
+  default_root_dir: {tmp_path}
   max_epochs: 1
   accelerator: cpu
   logger: false
@@ -37,7 +38,7 @@ trainer:
         save_last: true
 """
     )
-    cli = LightningCLI(TinyRegressor, args=["fit", "--config", str(config)], save_config_kwargs={"overwrite": True})
+    cli = LightningCLI(TinyRegressor, args=["fit", "--config", str(config)], save_config_callback=None)
     io = cli.trainer.strategy.checkpoint_io
     assert isinstance(io, lc.ShardedCheckpointIO) and io.max_shard_size == 10**6
     names = sorted(os.listdir(tmp_path / "ckpts"))
