@@ -35,3 +35,29 @@ def test_tied_cuda_weights_stay_tied(tmp_path):
     lc.save_checkpoint({"state_dict": {"a": emb, "b": emb}}, tmp_path / "t.ckpt")
     out = lc.load_checkpoint(tmp_path / "t.ckpt", map_location="cuda")["state_dict"]
     assert out["a"].data_ptr() == out["b"].data_ptr() and torch.equal(out["a"], emb)
+
+
+def test_async_cuda_snapshot_pinned_pool_and_handoff_before_optimizer_step(tmp_path):
+    model = torch.nn.Linear(512, 512).cuda()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 512, device="cuda")).sum().backward()
+    optimizer.step()
+    io = lc.ShardedCheckpointIO(async_save=True)
+    try:
+        state = {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]}
+        expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        io.save_checkpoint(state, tmp_path / "gpu.ckpt")
+        assert io._pool._pinned  # page-locked staging
+        assert io._deferred is not None  # the host did not wait for the device-to-host copies
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # queued on the training stream after the copies: must not leak into them
+        model(torch.randn(4, 512, device="cuda")).sum().backward()
+        optimizer.step()  # the pre-step hook hands the staged checkpoint to the writer
+        assert io._deferred is None
+        io.wait()
+    finally:
+        io.teardown()
+    saved = lc.load_checkpoint(tmp_path / "gpu.ckpt", verify=True)["state_dict"]
+    for key, value in expected.items():
+        assert torch.equal(saved[key], value), key
