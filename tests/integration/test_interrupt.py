@@ -1,0 +1,47 @@
+"""Ctrl-C during training with async saves: no orphan writer process, no broken checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import lightning_ckpt as lc
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_ctrl_c_stops_the_writer_and_leaves_only_complete_checkpoints(tmp_path):
+    out, pid_file = tmp_path / "ckpts", tmp_path / "writer.pid"
+    script = os.path.join(os.path.dirname(__file__), "interrupt_fit.py")
+    proc = subprocess.Popen(
+        [sys.executable, script, str(out), str(pid_file)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists():
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "training never reached step 3"
+            time.sleep(0.1)
+        writer_pid = int(pid_file.read_text())
+        assert _alive(writer_pid)
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal sends to the training process
+        output = proc.communicate(timeout=120)[0].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "KeyboardInterrupt" in output or proc.returncode != 0, output[-3000:]
+    time.sleep(0.2)
+    assert not _alive(writer_pid), "the writer process outlived the interrupted training"
+    names = sorted(os.listdir(out))
+    assert "last.ckpt" in names and not [n for n in names if n.startswith(".")], names
+    for name in names:
+        lc.verify_checkpoint(out / name)
