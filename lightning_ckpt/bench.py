@@ -14,11 +14,14 @@ samples ``VmRSS`` and ``RssAnon`` every 20 ms (and the exact VmHWM peak). Conten
 Medians over ``--repeats`` (each repeat a fresh child per measurement) go to a rich table and JSON::
 
     python -m lightning_ckpt.bench --sizes 0.5GB,3GB --repeats 3 --json bench-results/bench.json
+
+``--mode async`` runs the training-loop benchmark of async saves instead (``bench_async.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -149,6 +152,25 @@ def state_bytes(size_bytes: int) -> tuple[int, int]:
 # Child side: memory sampling and the measured operations
 
 
+def parse_status(data: bytes) -> dict[str, int]:
+    """The ``kB`` fields of a /proc/PID/status (or /proc/meminfo) text, in bytes."""
+    fields: dict[str, int] = {}
+    for line in data.split(b"\n"):
+        if line.endswith(b" kB") and b":" in line:
+            key, value = line.split(b":", 1)
+            fields[key.decode()] = int(value.split()[0]) * 1024
+    return fields
+
+
+def proc_status(pid: int | str = "self") -> dict[str, int]:
+    """``parse_status`` of /proc/PID/status (empty if the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            return parse_status(f.read())
+    except OSError:
+        return {}
+
+
 class RssSampler:
     """Samples ``VmRSS`` and ``RssAnon`` of this process every 20 ms; also resets and reads ``VmHWM``."""
 
@@ -164,12 +186,7 @@ class RssSampler:
     def read(self) -> dict[str, int]:
         """Fields of /proc/self/status in bytes (only the ``kB`` ones)."""
         os.lseek(self._fd, 0, os.SEEK_SET)
-        fields: dict[str, int] = {}
-        for line in os.read(self._fd, 16384).split(b"\n"):
-            if line.endswith(b" kB") and b":" in line:
-                key, value = line.split(b":", 1)
-                fields[key.decode()] = int(value.split()[0]) * 1024
-        return fields
+        return parse_status(os.read(self._fd, 16384))
 
     def _sample(self) -> None:
         fields = self.read()
@@ -398,15 +415,15 @@ def _run_task(task: Task) -> Any:
     raise ValueError(f"unknown task {kind!r}")
 
 
-def _child(task: Task, conn: Connection) -> None:
+def _child(task: Task, conn: Connection, runner: Callable[[Task], Any] | None = None) -> None:
     """Entry point of a measurement subprocess: run one task, send its metrics (or the error) back."""
     warnings.simplefilter("ignore")
     try:
-        result: Any = {"ok": _run_task(task)}
+        result: Any = {"ok": (runner or _run_task)(task)}
     except BaseException as err:  # reported to the parent, which records it and goes on
         result = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
     finally:
-        if task["kind"].startswith("plain_"):
+        if task["kind"].startswith("plain_") and "path" in task:
             remove_path(task["path"])
     conn.send(result)
     conn.close()
@@ -416,11 +433,15 @@ def _child(task: Task, conn: Connection) -> None:
 # Parent side
 
 
-def run_in_fresh_process(task: Task) -> Any:
-    """Run ``task`` in a new ``spawn`` process; raise ``RuntimeError`` with the child's error."""
+def run_in_fresh_process(task: Task, runner: Callable[[Task], Any] | None = None) -> Any:
+    """Run ``task`` in a new ``spawn`` process; raise ``RuntimeError`` with the child's error.
+
+    ``runner`` (a module-level function, so the child can import it) runs the task; default: this
+    module's save/load measurements.
+    """
     context = multiprocessing.get_context("spawn")
     receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_child, args=(task, sender), name=f"lightning_ckpt-bench-{task['kind']}")
+    process = context.Process(target=_child, args=(task, sender, runner), name=f"lightning_ckpt-bench-{task['kind']}")
     process.start()
     sender.close()
     try:
@@ -498,12 +519,15 @@ def machine_info(directory: str) -> dict[str, Any]:
 
 
 def _summary(runs: list[Metrics]) -> Metrics:
-    """Per metric: median and individual values over the repeats (non-numeric: the first value)."""
+    """Per metric: median and individual values over the repeats (non-numeric: the first value).
+
+    ``None`` values (a metric a repeat could not measure) are left out of the median.
+    """
     summary: Metrics = {}
     for key in runs[0] if runs else ():
         values = [run.get(key) for run in runs]
         numeric = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        if numeric and len(numeric) == len(values):
+        if numeric and len(numeric) == len([v for v in values if v is not None]):
             summary[key] = {"median": statistics.median(numeric), "values": values}
         else:
             summary[key] = values[0]
@@ -687,10 +711,28 @@ def _parse_sizes(text: str) -> list[tuple[str, int]]:
     return sizes
 
 
+MODES = ("save", "async")
+
+
+def split_mode(argv: list[str]) -> tuple[str, list[str]]:
+    """``--mode save|async`` (default ``save``) and the other arguments."""
+    mode_parser = argparse.ArgumentParser(add_help=False)
+    mode_parser.add_argument("--mode", choices=MODES, default="save")
+    known, rest = mode_parser.parse_known_args(argv)
+    return known.mode, rest
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning_ckpt bench",
         description="Benchmark ShardedCheckpointIO against TorchCheckpointIO and a plain sequential write.",
+        epilog="`--mode async` runs the training-loop benchmark of async saves instead (`--mode async --help`).",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default="save",
+        help="save: save/load throughput and memory (default); async: stalls of a simulated training loop",
     )
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma list of state sizes (default {DEFAULT_SIZES})")
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement, medians reported (default 3)")
@@ -706,10 +748,76 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; print a table and the JSON. Returns 0, or 1 if any measurement failed."""
+@contextlib.contextmanager
+def run_directory(directory: str) -> Iterator[str]:
+    """A fresh ``run-*`` folder under ``directory``; removed afterwards with every folder this made."""
+    created = []  # folders this run made, innermost first; removed again if left empty
+    folder = directory
+    while not os.path.exists(folder):
+        created.append(folder)
+        folder = os.path.dirname(folder)
+    os.makedirs(directory, exist_ok=True)
+    run_dir = os.path.join(directory, f"run-{os.getpid()}-{secrets.token_hex(3)}")
+    os.makedirs(run_dir)
+    try:
+        yield run_dir
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for folder in created:
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break
+
+
+def stderr_logger() -> Callable[[str], None]:
+    """``log(message)``: a timestamped progress line on stderr."""
     from rich.console import Console
 
+    err_console = Console(stderr=True)
+
+    def log(message: str) -> None:
+        err_console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {message}", highlight=False)
+
+    return log
+
+
+def report_header(argv: list[str] | None, started: float) -> dict[str, Any]:
+    """The command line and timing fields every report starts with."""
+    return {
+        "command": shlex.join(getattr(sys, "orig_argv", sys.argv)),
+        "argv": list(sys.argv[1:] if argv is None else argv),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "wall_seconds": time.time() - started,
+    }
+
+
+def emit_report(table: Any, report: dict[str, Any], json_path: str | None) -> None:
+    """Print the rich table, then the JSON (also written to ``json_path``)."""
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:  # piped: do not squeeze the table into 80 columns
+        console = Console(width=170)
+    console.print(table)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            f.write(text + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print a table and the JSON. Returns 0, or 1 if any measurement failed.
+
+    ``--mode async`` hands the other arguments to :func:`lightning_ckpt.bench_async.main`.
+    """
+    mode, rest = split_mode(list(sys.argv[1:] if argv is None else argv))
+    if mode == "async":
+        from lightning_ckpt import bench_async
+
+        return bench_async.main(rest)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -724,44 +832,22 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be at least 1")
     from lightning_ckpt.io import DEFAULT_MAX_SHARD_SIZE
 
-    err_console = Console(stderr=True)
     directory = os.path.abspath(args.dir)
-    created = []  # folders this run made, innermost first; removed again if left empty
-    folder = directory
-    while not os.path.exists(folder):
-        created.append(folder)
-        folder = os.path.dirname(folder)
-    os.makedirs(directory, exist_ok=True)
-    run_dir = os.path.join(directory, f"run-{os.getpid()}-{secrets.token_hex(3)}")
-    os.makedirs(run_dir)
-
-    def log(message: str) -> None:
-        err_console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {message}", highlight=False)
-
+    log = stderr_logger()
     machine = machine_info(directory)
     results = []
     started = time.time()
-    try:
+    with run_directory(directory) as run_dir:
         need = max(2 * state_bytes(size_bytes)[0] for _, size_bytes in sizes)
         free = shutil.disk_usage(run_dir).free
         if free < need * 1.1:
-            err_console.print(f"--dir {directory!r} has {free / GB:.1f} GB free; the largest size needs ~{need / GB:.1f} GB.")
+            log(f"--dir {directory!r} has {free / GB:.1f} GB free; the largest size needs ~{need / GB:.1f} GB.")
             return 2
         for label, size_bytes in sizes:
             results.append(bench_size(label, size_bytes, args.repeats, run_dir, args.max_shard_size, log))
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        for folder in created:
-            try:
-                os.rmdir(folder)
-            except OSError:
-                break
 
     report = {
-        "command": shlex.join(getattr(sys, "orig_argv", sys.argv)),
-        "argv": list(sys.argv[1:] if argv is None else argv),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        "wall_seconds": time.time() - started,
+        **report_header(argv, started),
         "settings": {
             "sizes": [label for label, _ in sizes],
             "repeats": args.repeats,
@@ -773,16 +859,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "results": results,
     }
-    console = Console()
-    if not console.is_terminal:  # piped: do not squeeze the table into 80 columns
-        console = Console(width=170)
-    console.print(render_table(results))
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json_path:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json_path)), exist_ok=True)
-        with open(args.json_path, "w") as f:
-            f.write(text + "\n")
+    emit_report(render_table(results), report, args.json_path)
     return 1 if any(res["errors"] for res in results) else 0
 
 

@@ -1,0 +1,965 @@
+"""Training-loop benchmark of checkpoint saves: how long a save stalls training, and what it costs
+while it is written in the background.
+
+``python -m lightning_ckpt bench --mode async [...]`` (or ``python -m lightning_ckpt.bench_async``).
+
+Each contender runs in a fresh ``spawn`` process (see ``bench.run_in_fresh_process``) that builds
+the state of ``bench.build_checkpoint`` (1/3 fp32 weights, 2/3 AdamW ``exp_avg``/``exp_avg_sq``)
+and runs a simulated training loop on it. Every step does
+
+* a fixed compute workload: ``--matmuls`` products of two 1024x1024 fp32 matrices, calibrated once
+  in the parent to about ``--compute-ms`` and the same for every contender;
+* an in-place update of every state tensor, ``t.lerp_(c, 1e-3)`` (one pass over the memory, the
+  form of AdamW's ``exp_avg`` update), and ``step += 1`` on the optimizer step counters. It mutates
+  the state right after a save returns, which is what makes snapshot semantics matter.
+
+The checkpoint dict *is* that live state (its tensors are the ones updated), so saving it saves the
+live state. The loop runs 2 untimed and ``--warmup`` timed steps without saving (the baseline step
+time), then ``--saves`` saves, one every ``--every`` steps, and keeps stepping after the last save
+until the contender reports it durable. ``--schedule``:
+
+* ``after-durable`` (default): a save is due ``--every`` steps after the previous one, but not
+  before the previous one is durable (the loop keeps stepping meanwhile). Stalls are then the cost
+  of taking a snapshot, not of waiting for the previous write.
+* ``fixed``: strictly every ``--every`` steps. What happens when the previous save is still being
+  written is each contender's own policy: ShardedCheckpointIO (``when_busy="wait"``) blocks in
+  ``save_checkpoint``; DCP waits for the previous future inside the save (its warm stager's buffers
+  are reused, so it must); AsyncCheckpointIO queues another clone (unbounded) - a save is deferred
+  only when ``MemAvailable`` falls below 2x the state + 1 GB (counted as ``memory_guard_deferrals``).
+
+Per save: the save call's duration; its *stall* (the duration of the step holding the save call
+minus the baseline median step); the time from the save call until the bytes are durable (the
+contender's own completion signal); the steps that started while it was being written; RSS,
+RssAnon, RssShmem, /dev/shm and system ``Shmem`` right after the call. Steady state = saves 2..N.
+Contenders:
+
+* ``torch_io``: Lightning ``TorchCheckpointIO`` + an fsync of the file (durable when the call returns).
+* ``async_io``: Lightning ``AsyncCheckpointIO(TorchCheckpointIO())``; the inner plugin's
+  ``save_checkpoint`` is wrapped to fsync the file and record when that finished.
+* ``dcp_async``: ``torch.distributed.checkpoint.async_save`` in THREAD mode (no process group) with
+  one ``DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True,
+  use_async_staging=False, use_non_blocking_copy=False))`` kept across saves (warm staging
+  buffers); durable when the future completes (FileSystemWriter fsyncs its files). It saves the
+  same Lightning dict (non-tensor values are pickled by DCP).
+* ``sharded_async``: ``ShardedCheckpointIO(async_save=True)``; durable = end of the save call +
+  ``io.last_save.seconds`` (hand-off -> committed and durable, as the writer process reports it),
+  polled between steps without blocking.
+* ``sharded_sync``: ``ShardedCheckpointIO()`` (durable when the call returns).
+* ``plain_copy``: the floor for a stall: one ``copy_`` of the whole state into already-allocated,
+  pre-faulted buffers (median of 3 copies).
+
+Only the latest durable checkpoint is kept on disk while the loop runs (older ones are removed
+between steps, outside any step's timing); everything is removed after each measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import queue
+import shutil
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from lightning_ckpt import bench
+from lightning_ckpt.bench import GB, MB, Metrics, Task, _ratio
+
+CONTENDERS = ("torch_io", "async_io", "dcp_async", "sharded_async", "sharded_sync")
+REFERENCE = "plain_copy"
+ALL = (*CONTENDERS, REFERENCE)
+ASYNC_CONTENDERS = ("async_io", "dcp_async", "sharded_async")
+SCHEDULES = ("after-durable", "fixed")
+DEFAULT_SIZE = "3GB"
+MATMUL_SIZE = 1024
+_UPDATE_WEIGHT = 1e-3
+_UNTIMED_WARMUP = 2
+_CONTENDER_TITLES = {
+    "torch_io": "torch_io (sync)",
+    "async_io": "async_io (Lightning)",
+    "dcp_async": "dcp_async (thread)",
+    "sharded_async": "sharded_async",
+    "sharded_sync": "sharded_sync",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Child side: memory readings
+
+
+def _meminfo() -> dict[str, int]:
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            return bench.parse_status(f.read())
+    except OSError:
+        return {}
+
+
+def _dev_shm_used() -> int | None:
+    try:
+        return shutil.disk_usage("/dev/shm").used
+    except OSError:
+        return None
+
+
+def _memory_snapshot() -> dict[str, int | None]:
+    status, meminfo = bench.proc_status(), _meminfo()
+    return {
+        "rss": status.get("VmRSS", 0),
+        "anon": status.get("RssAnon", 0),
+        "shmem": status.get("RssShmem", 0),
+        "dev_shm": _dev_shm_used(),
+        "sys_shmem": meminfo.get("Shmem"),
+    }
+
+
+def _delta_mb(after: int | None, before: int | None) -> float | None:
+    return None if after is None or before is None else (after - before) / MB
+
+
+def _p95(values: list[float]) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=20, method="inclusive")[18]
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _path_bytes(path: str) -> int:
+    return sum(os.path.getsize(name) for name in bench._files(path))
+
+
+# ----------------------------------------------------------------------------------------------
+# Child side: the contenders
+
+
+class _Contender:
+    """One checkpointing method, seen by the training loop.
+
+    ``save`` is the blocking call; ``poll`` returns ``(path, durable_at)`` (``perf_counter`` time)
+    for saves that became durable since the last poll, without blocking; ``pending`` says whether
+    a save is still being written.
+    """
+
+    asynchronous = False
+
+    def __init__(self) -> None:
+        self.done: queue.SimpleQueue[tuple[str, float]] = queue.SimpleQueue()
+        self.in_flight: set[str] = set()
+        self.notes: list[str] = []
+
+    def save(self, checkpoint: dict[str, Any], path: str) -> None:
+        raise NotImplementedError
+
+    def poll(self) -> list[tuple[str, float]]:
+        finished = []
+        while True:
+            try:
+                path, at = self.done.get_nowait()
+            except queue.Empty:
+                break
+            self.in_flight.discard(path)
+            finished.append((path, at))
+        return finished
+
+    def pending(self) -> bool:
+        return bool(self.in_flight)
+
+    def helper_pids(self) -> list[int]:
+        return []
+
+    def teardown(self) -> None:
+        pass
+
+
+def _fsync_torch_io(done: queue.SimpleQueue[tuple[str, float]]) -> Any:
+    """A ``TorchCheckpointIO`` whose save fsyncs the file and reports when it was durable."""
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    class FsyncTorchCheckpointIO(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            bench._fsync_file(os.fspath(path))
+            done.put((os.fspath(path), time.perf_counter()))
+
+    return FsyncTorchCheckpointIO()
+
+
+class _TorchIO(_Contender):
+    def __init__(self, run_dir: str) -> None:
+        super().__init__()
+        # fsspec's transaction writes a tempfile.mkstemp() file and moves it into place; keep it on
+        # the filesystem under test, so the move is a rename (as bench.py does).
+        import tempfile
+
+        tempfile.tempdir = run_dir
+        self.io = _fsync_torch_io(self.done)
+
+    def save(self, checkpoint: dict[str, Any], path: str) -> None:
+        self.in_flight.add(path)
+        self.io.save_checkpoint(checkpoint, path)
+
+
+class _AsyncIO(_Contender):
+    asynchronous = True
+
+    def __init__(self, run_dir: str) -> None:
+        super().__init__()
+        import tempfile
+
+        from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO
+
+        tempfile.tempdir = run_dir
+        self.io = AsyncCheckpointIO(_fsync_torch_io(self.done))
+
+    def save(self, checkpoint: dict[str, Any], path: str) -> None:
+        self.in_flight.add(path)
+        self.io.save_checkpoint(checkpoint, path)
+
+    def poll(self) -> list[tuple[str, float]]:
+        error = getattr(self.io, "_error", None)
+        if error is not None:  # a failed background save never reports durable: fail now
+            raise RuntimeError(f"AsyncCheckpointIO background save failed: {type(error).__name__}: {error}")
+        return super().poll()
+
+    def teardown(self) -> None:
+        self.io.teardown()
+
+
+class _DcpAsync(_Contender):
+    asynchronous = True
+
+    def __init__(self, run_dir: str) -> None:
+        super().__init__()
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        # DefaultStager() with default options raises on a CPU-only build (pinned memory, async
+        # staging and non-blocking copies need an accelerator); shared memory works on CPU.
+        self.stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=False, use_shared_memory=True, use_async_staging=False, use_non_blocking_copy=False
+            )
+        )
+        self.future: Any = None
+        self.waits: list[float] = []
+        self.errors: queue.SimpleQueue[str] = queue.SimpleQueue()
+
+    def save(self, checkpoint: dict[str, Any], path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if self.future is not None and not self.future.done():
+            # The stager reuses its buffers: the previous write must finish before they are restaged.
+            start = time.perf_counter()
+            self.future.exception()
+            self.waits.append(time.perf_counter() - start)
+        self.in_flight.add(path)
+        future = dcp.async_save(checkpoint, checkpoint_id=path, async_stager=self.stager)
+
+        def finished(f: Any, path: str = path) -> None:
+            at = time.perf_counter()
+            error = f.exception()
+            if error is not None:
+                self.errors.put(f"{type(error).__name__}: {error}")
+            else:
+                self.done.put((path, at))
+
+        future.add_done_callback(finished)
+        self.future = future
+
+    def poll(self) -> list[tuple[str, float]]:
+        try:
+            error = self.errors.get_nowait()
+        except queue.Empty:
+            return super().poll()
+        raise RuntimeError(f"DCP async_save failed: {error}")
+
+    def teardown(self) -> None:
+        try:
+            if self.future is not None:
+                self.future.result()
+        finally:
+            self.stager.close()
+
+
+class _Sharded(_Contender):
+    def __init__(self, run_dir: str, asynchronous: bool) -> None:
+        super().__init__()
+        from lightning_ckpt import ShardedCheckpointIO
+
+        self.asynchronous = asynchronous
+        self.io = ShardedCheckpointIO(async_save=asynchronous)
+        self._handed_off: dict[str, float] = {}  # path -> perf_counter when save_checkpoint returned
+
+    def save(self, checkpoint: dict[str, Any], path: str) -> None:
+        path = os.path.abspath(path)
+        self.in_flight.add(path)
+        self.io.save_checkpoint(checkpoint, path)
+        end = time.perf_counter()
+        if not self.asynchronous:
+            self.done.put((path, end))
+            return
+        self._handed_off[path] = end
+        self._harvest()  # the call may have collected the previous save's result
+
+    def _harvest(self) -> None:
+        last = self.io.last_save
+        if last is not None and last.path in self._handed_off:
+            # last_save.seconds: from the hand-off (end of save_checkpoint) until committed and durable
+            self.done.put((last.path, self._handed_off.pop(last.path) + last.seconds))
+
+    def poll(self) -> list[tuple[str, float]]:
+        if self.asynchronous and self._handed_off and not self.io._worker.busy:
+            self.io.wait()  # nothing in flight: returns at once, raises a background error, sets last_save
+            self._harvest()
+        return super().poll()
+
+    def helper_pids(self) -> list[int]:
+        pid = self.io._worker.pid
+        return [] if pid is None else [pid]
+
+    def teardown(self) -> None:
+        self.io.teardown()
+
+
+def _make_contender(name: str, run_dir: str) -> _Contender:
+    if name == "torch_io":
+        return _TorchIO(run_dir)
+    if name == "async_io":
+        return _AsyncIO(run_dir)
+    if name == "dcp_async":
+        return _DcpAsync(run_dir)
+    if name == "sharded_async":
+        return _Sharded(run_dir, asynchronous=True)
+    if name == "sharded_sync":
+        return _Sharded(run_dir, asynchronous=False)
+    raise ValueError(f"unknown contender {name!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Child side: the training loop
+
+
+class _Workload:
+    """The fixed compute of one step: ``matmuls`` products of two ``n`` x ``n`` fp32 matrices."""
+
+    def __init__(self, n: int, matmuls: int) -> None:
+        generator = torch.Generator().manual_seed(1)
+        self.a = torch.randn(n, n, generator=generator) / math.sqrt(n)
+        self.x = torch.randn(n, n, generator=generator)
+        self.out = torch.empty(n, n)
+        self.matmuls = matmuls
+
+    def __call__(self) -> None:
+        for _ in range(self.matmuls):
+            torch.mm(self.a, self.x, out=self.out)
+
+
+def _state_tensors(checkpoint: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(weights + AdamW moments, the optimizer's 0-d step counters) of ``checkpoint``."""
+    tensors = list(bench._tensors(checkpoint))
+    return [t for t in tensors if t.dim() > 0], [t for t in tensors if t.dim() == 0]
+
+
+def _train_loop(task: Task) -> Metrics:
+    checkpoint = bench.build_checkpoint(task["size_bytes"])
+    state, counters = _state_tensors(checkpoint)
+    nbytes = sum(t.numel() * t.element_size() for t in state + counters)
+    workload = _Workload(task["matmul_size"], task["matmuls"])
+    target = torch.tensor(1e-3)
+
+    @torch.no_grad()
+    def step() -> None:
+        workload()
+        for t in state:
+            t.lerp_(target, _UPDATE_WEIGHT)
+        for c in counters:
+            c.add_(1)
+        checkpoint["global_step"] += 1
+
+    contender = _make_contender(task["contender"], task["run_dir"])
+    tag, n_saves, every, schedule = task["tag"], task["saves"], task["every"], task["schedule"]
+    guard_bytes = 2 * nbytes + GB  # fixed schedule: defer a save while this much memory is not available
+    saves: list[dict[str, Any]] = []
+    by_path: dict[str, dict[str, Any]] = {}
+    steps: list[tuple[float, float, int | None]] = []  # (start, end, index of the save it holds)
+    durable_on_disk: list[str] = []
+    removal_seconds = 0.0
+    deferred_steps = guard_deferrals = 0
+    try:
+        for _ in range(_UNTIMED_WARMUP):
+            step()
+        baseline_steps = []
+        for _ in range(task["warmup"]):
+            start = time.perf_counter()
+            step()
+            baseline_steps.append(time.perf_counter() - start)
+        base_median, base_p95 = statistics.median(baseline_steps), _p95(baseline_steps)
+        gc.collect()
+        before = _memory_snapshot()
+        deadline = time.perf_counter() + task["timeout_s"]
+        with bench.RssSampler() as sampler:
+            since = 0
+            while True:
+                for path, at in contender.poll():
+                    record = by_path[path]
+                    record["durable_at"] = at
+                    # keep only the latest durable checkpoint on disk (removed between steps, untimed)
+                    start = time.perf_counter()
+                    for old in durable_on_disk:
+                        bench.remove_path(old)
+                    removal_seconds += time.perf_counter() - start
+                    durable_on_disk = [path]
+                if len(saves) >= n_saves and not contender.pending():
+                    break
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(
+                        f"{task['contender']}: {len(saves)}/{n_saves} saves, durable:"
+                        f" {sum('durable_at' in s for s in saves)}, after {task['timeout_s']} s (--timeout)"
+                    )
+                since += 1
+                due = len(saves) < n_saves and since >= every
+                previous_in_flight = contender.pending()
+                if due and previous_in_flight:
+                    if schedule == "after-durable":
+                        due = False
+                        deferred_steps += 1
+                    elif _meminfo().get("MemAvailable", guard_bytes) < guard_bytes:
+                        due = False
+                        guard_deferrals += 1
+                start = time.perf_counter()
+                step()
+                if not due:
+                    steps.append((start, time.perf_counter(), None))
+                    continue
+                path = os.path.abspath(os.path.join(task["run_dir"], f"{tag}-save{len(saves) + 1}.ckpt"))
+                call_start = time.perf_counter()
+                contender.save(checkpoint, path)
+                call_end = time.perf_counter()
+                steps.append((start, call_end, len(saves)))
+                memory = _memory_snapshot()
+                record = {
+                    "index": len(saves) + 1,
+                    "path": path,
+                    "step_start": start,
+                    "call_start": call_start,
+                    "call_end": call_end,
+                    "previous_in_flight": previous_in_flight,
+                    "memory": memory,
+                }
+                saves.append(record)
+                by_path[path] = record
+                since = 0
+            loop_end = time.perf_counter()
+            end_memory = _memory_snapshot()
+            helpers = {pid: bench.proc_status(pid) for pid in contender.helper_pids()}
+        helper_pids = contender.helper_pids()
+    finally:
+        try:
+            contender.teardown()
+        finally:
+            bytes_on_disk = _path_bytes(durable_on_disk[-1]) if durable_on_disk else None
+            for record in saves:
+                bench.remove_path(record["path"])
+    after_teardown = _memory_snapshot()
+    helpers_alive = [pid for pid in helper_pids if os.path.exists(f"/proc/{pid}")]
+    return _loop_metrics(
+        contender,
+        task,
+        nbytes,
+        base_median,
+        base_p95 if base_p95 is not None else base_median,
+        saves,
+        steps,
+        before,
+        end_memory,
+        after_teardown,
+        sampler.metrics(),
+        helpers,
+        helpers_alive,
+        extra={
+            "baseline_steps": len(baseline_steps),
+            "loop_seconds": loop_end - saves[0]["step_start"] if saves else None,
+            "steps_after_warmup": len(steps),
+            "deferred_steps": deferred_steps,
+            "memory_guard_deferrals": guard_deferrals,
+            "removal_seconds": removal_seconds,
+            "bytes_on_disk": bytes_on_disk,
+        },
+    )
+
+
+def _loop_metrics(
+    contender: _Contender,
+    task: Task,
+    nbytes: int,
+    base_median: float,
+    base_p95: float,
+    saves: list[dict[str, Any]],
+    steps: list[tuple[float, float, int | None]],
+    before: dict[str, int | None],
+    end_memory: dict[str, int | None],
+    after_teardown: dict[str, int | None],
+    peak: Metrics,
+    helpers: dict[int, dict[str, int]],
+    helpers_alive: list[int],
+    extra: Metrics,
+) -> Metrics:
+    """Per-save records and the scalar metrics of one training-loop run."""
+    windows = [(s["call_end"], s["durable_at"]) for s in saves] if contender.asynchronous else []
+    writing: list[float] = []  # steps that started while any save was being written
+    writing_steady: list[float] = []  # ... while only saves 2..N were (not the first one)
+    idle: list[float] = []
+    per_save_writing: list[list[float]] = [[] for _ in saves]
+    origin = saves[0]["step_start"] if saves else 0.0
+    trace = []  # (start relative to the first save's step, duration, "S<n>" save step | "W" writing | "-")
+    for start, end, held in steps:
+        if held is not None:
+            trace.append((round(start - origin, 4), round(end - start, 4), f"S{held + 1}"))
+            continue
+        inside = [i for i, (lo, hi) in enumerate(windows) if lo <= start < hi]
+        (writing if inside else idle).append(end - start)
+        if inside and 0 not in inside:
+            writing_steady.append(end - start)
+        for i in inside:
+            per_save_writing[i].append(end - start)
+        trace.append((round(start - origin, 4), round(end - start, 4), "W" if inside else "-"))
+
+    records = []
+    for i, s in enumerate(saves):
+        memory = s["memory"]
+        step_seconds = s["call_end"] - s["step_start"]
+        records.append(
+            {
+                "index": s["index"],
+                "call_seconds": s["call_end"] - s["call_start"],
+                "step_seconds": step_seconds,
+                "stall_seconds": step_seconds - base_median,
+                "durable_seconds": s["durable_at"] - s["call_start"],
+                "previous_in_flight": s["previous_in_flight"],
+                "steps_while_writing": len(per_save_writing[i]),
+                "step_while_writing_median_seconds": _median(per_save_writing[i]),
+                "rss_mb": memory["rss"] / MB,
+                "rss_delta_mb": _delta_mb(memory["rss"], before["rss"]),
+                "rss_anon_delta_mb": _delta_mb(memory["anon"], before["anon"]),
+                "rss_shmem_delta_mb": _delta_mb(memory["shmem"], before["shmem"]),
+                "dev_shm_delta_mb": _delta_mb(memory["dev_shm"], before["dev_shm"]),
+                "sys_shmem_delta_mb": _delta_mb(memory["sys_shmem"], before["sys_shmem"]),
+            }
+        )
+    first, steady = records[:1], records[1:]
+
+    def pick(rows: list[dict[str, Any]], key: str) -> list[float]:
+        return [row[key] for row in rows]
+
+    post_save_rss = pick(steady, "rss_mb")
+    writing_median, writing_p95 = _median(writing), _p95(writing)
+    helper_status = {
+        str(pid): {
+            "rss_mb": status.get("VmRSS", 0) / MB,
+            "rss_anon_mb": status.get("RssAnon", 0) / MB,
+            "rss_shmem_mb": status.get("RssShmem", 0) / MB,
+        }
+        for pid, status in helpers.items()
+    }
+    metrics: Metrics = {
+        "state_bytes": nbytes,
+        "baseline_step_median_seconds": base_median,
+        "baseline_step_p95_seconds": base_p95,
+        "saves": len(records),
+        "stall_first_seconds": first[0]["stall_seconds"] if first else None,
+        "stall_steady_median_seconds": _median(pick(steady, "stall_seconds")),
+        "stall_steady_max_seconds": max(pick(steady, "stall_seconds"), default=None),
+        "call_first_seconds": first[0]["call_seconds"] if first else None,
+        "call_steady_median_seconds": _median(pick(steady, "call_seconds")),
+        "durable_first_seconds": first[0]["durable_seconds"] if first else None,
+        "durable_steady_median_seconds": _median(pick(steady, "durable_seconds")),
+        "durable_median_seconds": _median(pick(records, "durable_seconds")),
+        "steps_while_writing": len(writing),
+        "step_while_writing_median_seconds": writing_median,
+        "step_while_writing_p95_seconds": writing_p95,
+        "step_while_writing_median_ratio": _ratio(writing_median, base_median),
+        "step_while_writing_p95_ratio": _ratio(writing_p95, base_p95),
+        "steps_while_writing_steady": len(writing_steady),
+        "step_while_writing_steady_median_ratio": _ratio(_median(writing_steady), base_median),
+        "step_while_writing_steady_p95_ratio": _ratio(_p95(writing_steady), base_p95),
+        "step_idle_median_ratio": _ratio(_median(idle), base_median),
+        "baseline_rss_mb": before["rss"] / MB if before["rss"] is not None else None,
+        "rss_flat_range_mb": max(post_save_rss) - min(post_save_rss) if post_save_rss else None,
+        "rss_growth_mb": records[-1]["rss_delta_mb"] if records else None,
+        "rss_anon_growth_mb": records[-1]["rss_anon_delta_mb"] if records else None,
+        "rss_end_delta_mb": _delta_mb(end_memory["rss"], before["rss"]),
+        "rss_anon_end_delta_mb": _delta_mb(end_memory["anon"], before["anon"]),
+        "rss_shmem_end_delta_mb": _delta_mb(end_memory["shmem"], before["shmem"]),
+        "rss_after_teardown_delta_mb": _delta_mb(after_teardown["rss"], before["rss"]),
+        "peak_rss_mb": peak["peak_rss_mb"],
+        "peak_rss_anon_mb": peak["peak_rss_anon_mb"],
+        "peak_hwm_mb": peak["peak_hwm_mb"],
+        "dev_shm_max_delta_mb": max((r["dev_shm_delta_mb"] for r in records if r["dev_shm_delta_mb"] is not None), default=None),
+        "dev_shm_end_delta_mb": _delta_mb(end_memory["dev_shm"], before["dev_shm"]),
+        "sys_shmem_max_delta_mb": max(
+            (r["sys_shmem_delta_mb"] for r in records if r["sys_shmem_delta_mb"] is not None), default=None
+        ),
+        "helper_rss_mb": sum(h["rss_mb"] for h in helper_status.values()) if helper_status else None,
+        "helper_rss_anon_mb": sum(h["rss_anon_mb"] for h in helper_status.values()) if helper_status else None,
+        **extra,
+    }
+    notes = list(contender.notes)
+    if isinstance(contender, _DcpAsync) and contender.waits:
+        notes.append(f"waited for the previous DCP save before {len(contender.waits)} saves ({sum(contender.waits):.2f} s)")
+        metrics["dcp_waited_for_previous_seconds"] = sum(contender.waits)
+    if helpers_alive:
+        notes.append(f"helper processes still alive after teardown: {helpers_alive}")
+    return {
+        "metrics": metrics,
+        "per_save": records,
+        "helpers": helper_status,
+        "helpers_alive_after_teardown": helpers_alive,
+        "notes": notes,
+        "step_trace": trace,
+    }
+
+
+def _plain_copy(task: Task) -> Metrics:
+    """One ``copy_`` of the whole state into already-allocated, pre-faulted buffers: a stall's floor."""
+    checkpoint = bench.build_checkpoint(task["size_bytes"])
+    state, counters = _state_tensors(checkpoint)
+    tensors = state + counters
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    buffers = [torch.empty_like(t) for t in tensors]
+    for b in buffers:
+        b.fill_(0)  # fault every page in
+    seconds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for b, t in zip(buffers, tensors):
+            b.copy_(t)
+        seconds.append(time.perf_counter() - start)
+    median = statistics.median(seconds)
+    return {"metrics": {"state_bytes": nbytes, "seconds": median, "GBps": nbytes / median / GB}, "copies_seconds": seconds}
+
+
+def _run_task(task: Task) -> Metrics:
+    """Runner of ``bench.run_in_fresh_process`` for this module's measurements."""
+    if task["kind"] == "async_loop":
+        return _train_loop(task)
+    if task["kind"] == "copy_floor":
+        return _plain_copy(task)
+    raise ValueError(f"unknown task {task['kind']!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Parent side
+
+
+def calibrate_matmuls(target_ms: float, n: int = MATMUL_SIZE) -> tuple[int, float]:
+    """How many ``n`` x ``n`` matmuls take about ``target_ms`` here; (count, ms of one)."""
+    workload = _Workload(n, 1)
+    for _ in range(2):
+        workload()
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        workload()
+        times.append(time.perf_counter() - start)
+    one_ms = statistics.median(times) * 1000
+    return max(1, round(target_ms / one_ms)), one_ms
+
+
+def _m(summary: Metrics | None, key: str) -> float | None:
+    return bench._median(summary, key)
+
+
+def render_table(report: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    results = report["results"]
+    settings = report["settings"]
+    table = Table(
+        title=(
+            f"lightning_ckpt async benchmark: training loop, state {results['state_bytes'] / GB:.3g} GB,"
+            f" {settings['saves']} saves every {settings['every']} steps ({settings['schedule']}), medians"
+            f" of {settings['repeats']}"
+        ),
+        caption=(
+            "stall = step holding the save - baseline median step; durable = save call -> bytes durable;"
+            " writing = steps started while saves 2..N were being written, x baseline median / p95"
+            " (p95 x all: saves 1..N);"
+            " RSS flat = max-min post-save RSS over saves 2..N"
+        ),
+    )
+    columns = (
+        "contender",
+        "stall 1st s",
+        "stall steady s",
+        "x torch_io",
+        "call steady s",
+        "durable s",
+        "writing med x",
+        "p95 x",
+        "p95 x all",
+        "RSS flat MB",
+        "RSS growth MB",
+        "peak ΔRSS MB",
+        "/dev/shm MB",
+    )
+    for column in columns:
+        table.add_column(column, justify="left" if column == "contender" else "right", no_wrap=column == "contender")
+    ratios = results["ratios"]
+    for name, entry in results["contenders"].items():
+        summary = entry["summary"]
+        if summary is None:
+            table.add_row(_CONTENDER_TITLES.get(name, name), "error", *["-"] * (len(columns) - 2))
+            continue
+        durable = _m(summary, "durable_steady_median_seconds")
+        if durable is None:
+            durable = _m(summary, "durable_median_seconds")
+        table.add_row(
+            _CONTENDER_TITLES.get(name, name),
+            bench._fmt(_m(summary, "stall_first_seconds"), 3),
+            bench._fmt(_m(summary, "stall_steady_median_seconds"), 3),
+            bench._fmt(ratios["stall_steady_vs_torch_io"].get(name), 3),
+            bench._fmt(_m(summary, "call_steady_median_seconds"), 3),
+            bench._fmt(durable, 3),
+            bench._fmt(_m(summary, "step_while_writing_steady_median_ratio")),
+            bench._fmt(_m(summary, "step_while_writing_steady_p95_ratio")),
+            bench._fmt(_m(summary, "step_while_writing_p95_ratio")),
+            bench._fmt(_m(summary, "rss_flat_range_mb"), 0),
+            bench._fmt(_m(summary, "rss_growth_mb"), 0),
+            bench._fmt(_m(summary, "peak_rss_mb"), 0),
+            bench._fmt(_m(summary, "dev_shm_max_delta_mb"), 0),
+        )
+    copy = results.get("plain_copy")
+    if copy is not None:
+        table.add_section()
+        summary = copy["summary"]
+        seconds = _m(summary, "seconds") if summary else None
+        table.add_row(
+            f"plain copy_ (floor, {_m(summary, 'GBps') or 0:.1f} GB/s)" if summary else "plain copy_ (error)",
+            "",
+            bench._fmt(seconds, 3),
+            bench._fmt(ratios.get("plain_copy_vs_torch_io_stall"), 3),
+            *[""] * (len(columns) - 4),
+        )
+    return table
+
+
+def _summarize(runs: list[Metrics]) -> Metrics | None:
+    return bench._summary([run["metrics"] for run in runs]) if runs else None
+
+
+def _ratios(contenders: dict[str, Metrics], copy: Metrics | None) -> Metrics:
+    def summary(name: str) -> Metrics | None:
+        entry = contenders.get(name)
+        return entry["summary"] if entry else None
+
+    torch_io = summary("torch_io")
+    ratios: Metrics = {"stall_first_vs_torch_io": {}, "stall_steady_vs_torch_io": {}, "call_steady_vs_torch_io": {}}
+    for name in contenders:
+        s = summary(name)
+        ratios["stall_first_vs_torch_io"][name] = _ratio(_m(s, "stall_first_seconds"), _m(torch_io, "stall_first_seconds"))
+        ratios["stall_steady_vs_torch_io"][name] = _ratio(
+            _m(s, "stall_steady_median_seconds"), _m(torch_io, "stall_steady_median_seconds")
+        )
+        ratios["call_steady_vs_torch_io"][name] = _ratio(
+            _m(s, "call_steady_median_seconds"), _m(torch_io, "call_steady_median_seconds")
+        )
+    ours, dcp = summary("sharded_async"), summary("dcp_async")
+    ratios["sharded_async_vs_dcp_async"] = {
+        "durable_first": _ratio(_m(ours, "durable_first_seconds"), _m(dcp, "durable_first_seconds")),
+        "durable_steady": _ratio(_m(ours, "durable_steady_median_seconds"), _m(dcp, "durable_steady_median_seconds")),
+        "stall_first": _ratio(_m(ours, "stall_first_seconds"), _m(dcp, "stall_first_seconds")),
+        "stall_steady": _ratio(_m(ours, "stall_steady_median_seconds"), _m(dcp, "stall_steady_median_seconds")),
+        "peak_rss": _ratio(_m(ours, "peak_rss_mb"), _m(dcp, "peak_rss_mb")),
+    }
+    copy_summary = copy["summary"] if copy else None
+    ratios["plain_copy_vs_torch_io_stall"] = _ratio(_m(copy_summary, "seconds"), _m(torch_io, "stall_steady_median_seconds"))
+    ratios["stall_steady_vs_plain_copy"] = {
+        name: _ratio(_m(summary(name), "stall_steady_median_seconds"), _m(copy_summary, "seconds")) for name in contenders
+    }
+    return ratios
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning_ckpt bench --mode async",
+        description=(
+            "Training-loop benchmark of checkpoint saves: stall per save, time until durable, step slowdown"
+            " while writing, memory over repeated saves. Each contender runs in a fresh process."
+        ),
+    )
+    parser.add_argument("--size", default=DEFAULT_SIZE, help=f"state size: weights + AdamW moments (default {DEFAULT_SIZE})")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per contender, medians reported (default 3)")
+    parser.add_argument("--saves", type=int, default=5, help="saves per run (default 5; steady state = saves 2..N)")
+    parser.add_argument("--every", type=int, default=4, help="steps between saves (default 4)")
+    parser.add_argument("--warmup", type=int, default=10, help="timed steps without saving: the baseline (default 10)")
+    parser.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="after-durable",
+        help="after-durable: a save is due --every steps after the previous one, and not before that one is"
+        " durable (default); fixed: strictly every --every steps, each contender's policy when busy",
+    )
+    parser.add_argument(
+        "--compute-ms", type=float, default=75.0, help="per-step compute workload, calibrated here once (default 75)"
+    )
+    parser.add_argument("--matmuls", type=int, default=None, help="matmuls per step (overrides --compute-ms)")
+    parser.add_argument(
+        "--contenders",
+        default=",".join(ALL),
+        help=f"comma list, a subset of {','.join(ALL)} (default: all)",
+    )
+    parser.add_argument(
+        "--dir",
+        default=bench.DEFAULT_DIR,
+        help=f"where checkpoints are written, on the filesystem under test (default ./{bench.DEFAULT_DIR})",
+    )
+    parser.add_argument("--json", dest="json_path", default=None, help="also write the results JSON here")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="limit per training-loop run, seconds (default 1800)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the async benchmark; print a table and the JSON. Returns 0, 1 if a measurement failed, 2 on bad setup."""
+    from lightning_ckpt.plan import parse_size
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        size_bytes = parse_size(args.size, "--size")
+    except ValueError as err:
+        parser.error(str(err))
+    names = [n.strip() for n in args.contenders.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ALL]
+    if unknown or not names:
+        parser.error(f"--contenders: unknown {unknown} (choose from {', '.join(ALL)})" if unknown else "--contenders is empty")
+    names = [n for n in ALL if n in names]  # fixed order, no duplicates
+    for option in ("repeats", "saves", "every", "warmup"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option} must be at least 1")
+    if args.matmuls is not None and args.matmuls < 0:
+        parser.error("--matmuls must be >= 0")
+
+    log = bench.stderr_logger()
+    directory = os.path.abspath(args.dir)
+    nbytes, n_tensors = bench.state_bytes(size_bytes)
+    if args.matmuls is not None:
+        matmuls, one_ms = args.matmuls, None
+    else:
+        matmuls, one_ms = calibrate_matmuls(args.compute_ms)
+    log(f"state {nbytes / GB:.3g} GB in {n_tensors} tensors; compute workload {matmuls} x {MATMUL_SIZE}^2 matmuls per step")
+    machine = bench.machine_info(directory)
+    total_ram = machine.get("total_ram_gb")
+    if total_ram and total_ram * GB < 3.5 * nbytes:
+        log(f"warning: {total_ram:.1f} GB of RAM; contenders that copy the state (async_io, dcp_async) need ~2-3x {nbytes / GB:.2f} GB")
+
+    contender_runs: dict[str, list[Metrics]] = {n: [] for n in names}
+    errors: list[str] = []
+    started = time.time()
+    with bench.run_directory(directory) as run_dir:
+        need = 3 * nbytes  # the latest durable checkpoint, one being written, and slack
+        free = shutil.disk_usage(run_dir).free
+        if free < need * 1.1:
+            log(f"--dir {directory!r} has {free / GB:.1f} GB free; this size needs ~{need / GB:.1f} GB.")
+            return 2
+        for r in range(args.repeats):
+            for name in names:
+                tag = f"r{r}-{name}"
+                if name == REFERENCE:
+                    task: Task = {"kind": "copy_floor", "size_bytes": size_bytes}
+                else:
+                    task = {
+                        "kind": "async_loop",
+                        "contender": name,
+                        "size_bytes": size_bytes,
+                        "run_dir": run_dir,
+                        "tag": tag,
+                        "saves": args.saves,
+                        "every": args.every,
+                        "warmup": args.warmup,
+                        "schedule": args.schedule,
+                        "matmuls": matmuls,
+                        "matmul_size": MATMUL_SIZE,
+                        "timeout_s": args.timeout,
+                    }
+                log(f"[{r + 1}/{args.repeats}] {name}")
+                try:
+                    contender_runs[name].append(bench.run_in_fresh_process(task, runner=_run_task))
+                except RuntimeError as err:
+                    errors.append(f"{name} repeat {r + 1}: {err}")
+                    log(f"[{r + 1}/{args.repeats}] {name} FAILED: {str(err).splitlines()[0]}")
+                finally:
+                    for leftover in os.listdir(run_dir):  # a failed run's checkpoints
+                        if leftover.startswith(f"{tag}-"):
+                            bench.remove_path(os.path.join(run_dir, leftover))
+
+    contenders = {
+        name: {"summary": _summarize(runs), "runs": runs}
+        for name, runs in contender_runs.items()
+        if name != REFERENCE
+    }
+    copy = None
+    if REFERENCE in contender_runs:
+        runs = contender_runs[REFERENCE]
+        copy = {"summary": _summarize(runs), "runs": runs}
+    results: Metrics = {
+        "size": args.size,
+        "size_bytes": size_bytes,
+        "state_bytes": nbytes,
+        "state_tensors": n_tensors,
+        "contenders": contenders,
+        "plain_copy": copy,
+        "ratios": _ratios(contenders, copy),
+        "errors": errors,
+    }
+    report = {
+        **bench.report_header(argv, started),
+        "settings": {
+            "mode": "async",
+            "size": args.size,
+            "repeats": args.repeats,
+            "saves": args.saves,
+            "every": args.every,
+            "warmup_steps": args.warmup,
+            "untimed_warmup_steps": _UNTIMED_WARMUP,
+            "schedule": args.schedule,
+            "contenders": names,
+            "dir": directory,
+            "timeout_s": args.timeout,
+            "compute": {
+                "matmuls_per_step": matmuls,
+                "matmul_size": MATMUL_SIZE,
+                "target_ms": None if args.matmuls is not None else args.compute_ms,
+                "one_matmul_ms_at_calibration": one_ms,
+            },
+            "update": f"every state tensor t.lerp_(1e-3, {_UPDATE_WEIGHT}) and step counters += 1, each step",
+            "dcp": "async_save THREAD mode, no process group; DefaultStager(StagingOptions(use_pinned_memory=False,"
+            " use_shared_memory=True, use_async_staging=False, use_non_blocking_copy=False)) kept across saves;"
+            " the loop waits for the previous future before restaging",
+            "durable": {
+                "torch_io": "save_checkpoint + fsync of the file",
+                "async_io": "the wrapped inner TorchCheckpointIO's save + fsync finished (background thread)",
+                "dcp_async": "the async_save future completed (FileSystemWriter fsyncs its files)",
+                "sharded_async": "end of save_checkpoint + io.last_save.seconds (writer process: committed + durable)",
+                "sharded_sync": "save_checkpoint returned",
+            },
+            "units": "GB = 1e9 bytes, MB = 1e6 bytes; *_delta_mb / growth / peak figures are relative to the RSS"
+            " after warm-up (state built and warm), just before the first save",
+        },
+        "machine": machine,
+        "results": results,
+    }
+    bench.emit_report(render_table(report), report, args.json_path)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Smoke test of the async (training-loop) benchmark at a tiny size: it runs every contender, cleans
+up, and reports sane JSON. No timing thresholds: only structure and positivity."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from lightning_ckpt import bench, bench_async
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the benchmark reads Linux /proc")
+
+
+def _positive_median(summary: dict, *keys: str) -> None:
+    for key in keys:
+        median = summary[key]["median"]
+        assert isinstance(median, float) and math.isfinite(median) and median > 0, (key, summary[key])
+        assert len(summary[key]["values"]) == 1
+
+
+def test_bench_async_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt_dir = tmp_path / "ckpts"
+    json_path = tmp_path / "results" / "async.json"
+    argv = [
+        "--size", "3MB", "--repeats", "1", "--saves", "2", "--every", "2", "--warmup", "3", "--matmuls", "1",
+        "--dir", str(ckpt_dir), "--json", str(json_path),
+    ]  # fmt: skip
+
+    assert bench_async.main(argv) == 0
+
+    report = json.loads(json_path.read_text())
+    assert {"command", "argv", "settings", "machine", "results"} <= report.keys()
+    assert report["argv"] == argv
+    settings = report["settings"]
+    assert settings["mode"] == "async" and settings["saves"] == 2 and settings["every"] == 2
+    assert settings["contenders"] == list(bench_async.ALL)
+    assert settings["compute"]["matmuls_per_step"] == 1
+    assert report["machine"]["cpu_count"] >= 1 and report["machine"]["torch"] and report["machine"]["lightning"]
+
+    results = report["results"]
+    assert results["errors"] == []
+    assert 0.9 * 3e6 < results["state_bytes"] < 1.1 * 3e6
+    assert set(results["contenders"]) == set(bench_async.CONTENDERS)
+    for name, entry in results["contenders"].items():
+        summary = entry["summary"]
+        _positive_median(
+            summary,
+            "baseline_step_median_seconds",
+            "call_first_seconds",
+            "call_steady_median_seconds",
+            "durable_first_seconds",
+            "durable_steady_median_seconds",
+            "peak_hwm_mb",
+        )
+        assert summary["saves"]["median"] == 2
+        assert summary["bytes_on_disk"]["median"] >= results["state_bytes"], name
+        (run,) = entry["runs"]
+        assert [s["index"] for s in run["per_save"]] == [1, 2]
+        for record in run["per_save"]:
+            assert record["call_seconds"] > 0 and record["step_seconds"] >= record["call_seconds"]
+            assert record["durable_seconds"] >= record["call_seconds"] * 0.999, (name, record)
+            assert math.isfinite(record["stall_seconds"]) and record["rss_mb"] > 0
+        assert run["helpers_alive_after_teardown"] == []  # writer processes were torn down
+        assert any(tag == "S1" for _, _, tag in run["step_trace"])
+        if name in bench_async.ASYNC_CONTENDERS:
+            assert summary["durable_first_seconds"]["median"] >= summary["call_first_seconds"]["median"]
+        else:
+            assert summary["steps_while_writing"]["median"] == 0
+            assert summary["step_while_writing_median_ratio"] is None
+    assert results["contenders"]["sharded_async"]["runs"][0]["helpers"]  # its writer process was seen
+
+    copy = results["plain_copy"]["summary"]
+    _positive_median(copy, "seconds", "GBps")
+    ratios = results["ratios"]
+    assert ratios["stall_steady_vs_torch_io"]["torch_io"] == pytest.approx(1.0)
+    assert ratios["sharded_async_vs_dcp_async"]["durable_steady"] > 0
+
+    # The same JSON went to stdout after the table; every checkpoint written was removed.
+    out = capsys.readouterr().out
+    assert json.loads(out[out.index("\n{") + 1 :]) == report
+    assert not ckpt_dir.exists() or not any(ckpt_dir.rglob("*"))
+
+
+def test_bench_mode_async_dispatches(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+    monkeypatch.setattr(bench_async, "main", lambda argv: seen.append(argv) or 0)
+    assert bench.main(["--mode", "async", "--size", "1MB"]) == 0
+    assert seen == [["--size", "1MB"]]
+    assert bench.split_mode(["--sizes", "1MB"]) == ("save", ["--sizes", "1MB"])
