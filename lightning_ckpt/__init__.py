@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 # bytes) starts without importing Lightning.
 _LAZY = {
     "ShardedCheckpointIO": "lightning_ckpt.io",
+    "ShardedModelCheckpoint": "lightning_ckpt.callback",
     "load_checkpoint": "lightning_ckpt.io",
     "load_from_checkpoint": "lightning_ckpt.io",
     "remove_checkpoint": "lightning_ckpt.io",
@@ -33,6 +34,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from lightning_ckpt.callback import ShardedModelCheckpoint
     from lightning_ckpt.io import (
         ShardedCheckpointIO,
         load_checkpoint,
@@ -62,6 +64,7 @@ __all__ = [
     "CheckpointWriteError",
     "CorruptCheckpointError",
     "ShardedCheckpointIO",
+    "ShardedModelCheckpoint",
     "UnsafeCheckpointError",
     "UnsupportedFormatError",
     "load_checkpoint",

@@ -8,6 +8,7 @@ rank 0 only, so nothing here may run a collective; ``load_checkpoint`` runs on e
 from __future__ import annotations
 
 import atexit
+from collections import deque
 import json
 import os
 import sys
@@ -197,6 +198,7 @@ class ShardedCheckpointIO(CheckpointIO):
         self._deferred_hook: Any = None
         self._refuse_next_removal = False
         self.skipped_saves = 0
+        self._unpolled: deque[WriteResult] = deque(maxlen=1024)
         self.last_save: WriteResult | None = None
         self.last_stall_seconds: float | None = None  # how long the last save blocked the caller
         _live_instances.add(self)
@@ -220,6 +222,7 @@ class ShardedCheckpointIO(CheckpointIO):
                 self.last_save = save_checkpoint(checkpoint, path, self.max_shard_size, _writer=self._writer)
                 self.last_stall_seconds = time.perf_counter() - start
                 return
+            self._worker.ensure_started()  # detects a dead writer (its error is reported next)
             self._report(self._worker.take_errors())
             if self._worker.busy:
                 if self.when_busy == "skip":
@@ -250,7 +253,7 @@ class ShardedCheckpointIO(CheckpointIO):
         if cap is not None and image_layout.nbytes > cap:
             self._stage_in_chunks(prepared, path, payload, image_layout, headers, cap)
             return
-        image_layout, ready = self._pool.stage(prepared.plan)
+        ready = self._pool.stage(prepared.plan, image_layout, headers)
 
         def submit() -> None:
             pool = (self._pool.fd, self._pool.generation)
@@ -301,8 +304,10 @@ class ShardedCheckpointIO(CheckpointIO):
             start = ring.alloc(staging.aligned(size))
             while start is None:
                 if job_id is None or not self._worker.wait_shard_written(job_id):
-                    self._report(self._worker.take_errors())  # the writer failed: raise it now
-                    raise CheckpointWriteError(f"Saving {path!r} stopped: the writer process ended the job.", path)
+                    # The writer ended the job (it failed or died): report it now, per `on_error`.
+                    errors = self._worker.take_errors()
+                    self._report(errors or [CheckpointWriteError(f"Saving {path!r} stopped: the writer ended the job.", path)])
+                    return
                 ring.free_oldest()
                 start = ring.alloc(staging.aligned(size))
             self._pool.stage_shard(shard, headers[shard.filename], start)
@@ -385,6 +390,17 @@ class ShardedCheckpointIO(CheckpointIO):
         for r in results:
             # seconds: from save_checkpoint's hand-off until the checkpoint was committed and durable
             self.last_save = WriteResult(r["path"], r["nbytes"], r["durable_at"] - r["submitted"], r["files"], r["direct_io"])
+            self._unpolled.append(self.last_save)
+
+    def poll(self) -> list[WriteResult]:
+        """Async saves that became durable since the last ``poll`` (never blocks, raises nothing:
+        errors surface at the defined points). Synchronous saves are durable when they return."""
+        with self._lock:
+            self._worker.poll()
+            self._collect_results()
+            done = list(self._unpolled)
+            self._unpolled.clear()
+            return done
 
     def __getstate__(self) -> dict[str, Any]:
         # Spawn-based strategies pickle the plugin: ship the configuration, not locks, buffers or processes.

@@ -111,17 +111,18 @@ class StagingPool:
         assert self._map is not None, "reserve() first"
         return self._map
 
-    def stage(self, plan: Plan) -> tuple[ImageLayout, Callable[[], None] | None]:
-        """Copy every blob of ``plan`` into the pool as shard file images (the pool grows to fit).
+    def stage(
+        self, plan: Plan, image_layout: ImageLayout, headers: dict[str, tuple[bytes, dict[str, fmt.HeaderEntry]]]
+    ) -> Callable[[], None] | None:
+        """Copy every blob of ``plan`` into the pool as laid out by ``layout(plan)`` (grows to fit).
 
-        Returns the layout and ``ready``: ``None`` when the bytes are already in the pool (host
-        tensors), else a callable that blocks until the device copies have landed.
+        Returns ``None`` when the bytes are already in the pool (host tensors), else a callable
+        that blocks until the device copies have landed.
         """
-        image_layout, headers = layout(plan)
         self.reserve(max(image_layout.nbytes, ALIGN))
         for shard in plan.shards:
             self.stage_shard(shard, headers[shard.filename], image_layout.images[shard.filename][0])
-        return image_layout, self.copies_done()
+        return self.copies_done()
 
     def stage_shard(self, shard: Shard, header: tuple[bytes, dict[str, fmt.HeaderEntry]], offset: int) -> None:
         """Copy one shard's file image to ``offset`` (device copies are queued, see ``copies_done``)."""

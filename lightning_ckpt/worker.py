@@ -108,15 +108,20 @@ class WriterProcess:
         self._pool_generation = 0
         _send(parent, {"kind": "config", **self.config})
 
-    def submit(self, kind: str, path: str, payload: dict[str, Any], pool: tuple[int, int] | None = None) -> int:
-        """Queue a job (``save`` or ``remove``); returns its id. ``pool`` is (fd, generation) of the
-        staging buffer."""
+    def ensure_started(self) -> None:
+        """Start the child if it is not running (failing the jobs of one that died). Called at the
+        start of a save, so the child's start-up (importing torch) overlaps the staging copy."""
         if self._proc is not None and self._proc.poll() is not None:
             self._collect(block=False)  # replies it sent before dying
             if self._proc is not None:
                 self._died()
         if self._proc is None:
             self._start()
+
+    def submit(self, kind: str, path: str, payload: dict[str, Any], pool: tuple[int, int] | None = None) -> int:
+        """Queue a job (``save`` or ``remove``); returns its id. ``pool`` is (fd, generation) of the
+        staging buffer."""
+        self.ensure_started()
         assert self._sock is not None
         fds = None
         if pool is not None and pool[1] != self._pool_generation:
@@ -150,6 +155,10 @@ class WriterProcess:
             if job_id not in self._jobs:
                 return False
             self._collect(block=True)
+
+    def poll(self) -> None:
+        """Collect whatever finished, without blocking."""
+        self._collect(block=False)
 
     @property
     def busy(self) -> bool:

@@ -44,3 +44,22 @@ trainer:
     names = sorted(os.listdir(tmp_path / "ckpts"))
     assert names == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
     assert lc.load_checkpoint(tmp_path / "ckpts" / "last.ckpt", verify=True)["global_step"] == 4
+
+
+def test_shipped_example_config_runs(tmp_path):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "examples", "cli_train.py"), "fit", "--config",
+         os.path.join(root, "examples", "config.yaml")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    kept = sorted(n for n in os.listdir(tmp_path / "checkpoints") if n.endswith(".ckpt"))
+    assert "last.ckpt" in kept and len(kept) == 3, kept  # top-2 by train_loss + last
+    for name in kept:
+        lc.verify_checkpoint(tmp_path / "checkpoints" / name)
+    assert (tmp_path / "checkpoints" / "ckpt_metrics.json").exists()
+    assert "ckpt" in proc.stdout and "checkpoint saves" in proc.stdout  # rich per-save lines and summary

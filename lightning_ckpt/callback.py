@@ -1,0 +1,306 @@
+"""``ShardedModelCheckpoint``: Lightning's ``ModelCheckpoint`` without avoidable collectives,
+with compile-safe state dicts, memory release after each save, and self-measurement.
+
+Which ranks run what: every hook runs on every rank (Lightning's contract for callbacks); the
+checkpoint bytes are written by the CheckpointIO on global rank 0 only. Decisions every rank can
+take alike are taken locally:
+
+* the version counter's "does this file exist" uses a rank-consistent record of known checkpoint
+  paths (rank 0's listing of ``dirpath``, broadcast once at ``setup``, then updated identically
+  on every rank by each save and removal) instead of a filesystem probe plus a collective;
+* the top-k decision is local when the monitored value is the same on every rank: logged with
+  ``sync_dist=True`` (and not ``rank_zero_only``), a torchmetrics ``Metric``, ``epoch``/``step``,
+  or a single process. Otherwise it falls back to Lightning's all-reduce;
+* ``save_last="link"`` links without a barrier.
+
+What remains per save is the barrier in ``Trainer.save_checkpoint``. ``train_time_interval`` keeps
+Lightning's per-batch broadcast (rank-local clocks cannot decide alike without one).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from rich.console import Console
+from typing_extensions import override
+
+from lightning_ckpt.compile import install_load_hook, strip_compiled_prefixes
+from lightning_ckpt.memory import memory_stats, release_memory
+from lightning_ckpt.monitor import SaveMonitor, SaveRecord, print_summary, save_line
+
+_PATH = Union[str, "os.PathLike[str]"]
+
+
+class ShardedModelCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` with the same options and the same kept checkpoints, plus:
+
+    Args:
+        release_memory: after each save (after staging, for async saves) run ``gc.collect()``,
+            empty the CUDA cache when fragmented, and ``malloc_trim(0)`` the host heap; the
+            memory before/after and the time spent are recorded. The async staging pool is kept.
+        cuda_fragmentation_threshold: empty the CUDA cache when more than this share of reserved
+            memory is unallocated.
+        slowdown_window: steps before/after a save compared for the post-save slowdown.
+        metrics_file: JSON file (in ``dirpath``) with every save's record and the step times,
+            written at the end of fit; ``None`` to skip.
+        plot: also write ``ckpt_step_times.png`` (step time with saves marked) if matplotlib is
+            installed.
+        compile_safe: save state-dict keys without ``_orig_mod.`` and let the module load keys in
+            either form, so checkpoints move between compiled and uncompiled models.
+
+    Every other argument is ``ModelCheckpoint``'s, with the same meaning. Metrics are logged as
+    ``ckpt/...`` through the trainer's loggers; ``save_records`` holds them as data.
+    """
+
+    def __init__(
+        self,
+        dirpath: Optional[_PATH] = None,
+        filename: Optional[str] = None,
+        monitor: Optional[str] = None,
+        verbose: bool = False,
+        save_last: Optional[Union[bool, Literal["link"]]] = None,
+        save_top_k: int = 1,
+        save_on_exception: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "min",
+        auto_insert_metric_name: bool = True,
+        every_n_train_steps: Optional[int] = None,
+        train_time_interval: Optional[timedelta] = None,
+        every_n_epochs: Optional[int] = None,
+        save_on_train_epoch_end: Optional[bool] = None,
+        enable_version_counter: bool = True,
+        release_memory: bool = True,
+        cuda_fragmentation_threshold: float = 0.25,
+        slowdown_window: int = 20,
+        metrics_file: Optional[str] = "ckpt_metrics.json",
+        plot: bool = False,
+        compile_safe: bool = True,
+    ) -> None:
+        super().__init__(
+            dirpath=dirpath,
+            filename=filename,
+            monitor=monitor,
+            verbose=verbose,
+            save_last=save_last,
+            save_top_k=save_top_k,
+            save_on_exception=save_on_exception,
+            save_weights_only=save_weights_only,
+            mode=mode,
+            auto_insert_metric_name=auto_insert_metric_name,
+            every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval,
+            every_n_epochs=every_n_epochs,
+            save_on_train_epoch_end=save_on_train_epoch_end,
+            enable_version_counter=enable_version_counter,
+        )
+        if not 0.0 <= cuda_fragmentation_threshold <= 1.0:
+            raise ValueError(
+                f"`cuda_fragmentation_threshold={cuda_fragmentation_threshold}` must be between 0 and 1"
+                " (the unallocated share of reserved CUDA memory above which the cache is emptied)."
+            )
+        if not isinstance(slowdown_window, int) or slowdown_window < 1:
+            raise ValueError(f"`slowdown_window={slowdown_window!r}` must be a positive number of steps.")
+        self.release_memory = release_memory
+        self.cuda_fragmentation_threshold = cuda_fragmentation_threshold
+        self.metrics_file = metrics_file
+        self.plot = plot
+        self.compile_safe = compile_safe
+        self._monitor = SaveMonitor(window=slowdown_window)
+        self._known: set[str] = set()
+        self._load_hook: Any = None
+        self._awaiting_durable: dict[str, SaveRecord] = {}
+
+    # ------------------------------------------------------------------------------ collectives
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        # The rank-consistent record of existing checkpoints: one broadcast here, none per save.
+        listing: list[str] = []
+        if trainer.is_global_zero and self.dirpath is not None and os.path.isdir(self.dirpath):
+            listing = sorted(os.path.normpath(os.path.join(self.dirpath, name)) for name in os.listdir(self.dirpath))
+        self._known = set(trainer.strategy.broadcast(listing))
+        if self.compile_safe and self._load_hook is None:
+            self._load_hook = install_load_hook(pl_module)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._load_hook is not None:
+            self._load_hook.remove()
+            self._load_hook = None
+        super().teardown(trainer, pl_module, stage)
+
+    @override
+    def file_exists(self, filepath: _PATH, trainer: pl.Trainer) -> bool:
+        """Rank-consistent answer from the record of known checkpoints (no collective)."""
+        return os.path.normpath(os.fspath(filepath)) in self._known
+
+    @override
+    def check_monitor_top_k(self, trainer: pl.Trainer, current: Optional[torch.Tensor] = None) -> bool:
+        if current is None or not self._monitor_is_rank_consistent(trainer):
+            return super().check_monitor_top_k(trainer, current)
+        if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
+            return True
+        monitor_op = {"min": torch.lt, "max": torch.gt}[self.mode]
+        return bool(monitor_op(current, self.best_k_models[self.kth_best_model_path]))
+
+    def _monitor_is_rank_consistent(self, trainer: pl.Trainer) -> bool:
+        """Is the monitored value the same on every rank? Detected from how it was logged."""
+        if trainer.world_size == 1 or self.monitor in ("epoch", "step"):
+            return True
+        for collection in _result_collections(trainer):
+            for result in collection.values():
+                meta = getattr(result, "meta", None)
+                if meta is None or meta.name != self.monitor:
+                    continue
+                if not result.is_tensor:  # a torchmetrics Metric: computed over all ranks
+                    return True
+                return bool(meta.sync.should and not meta.sync.rank_zero_only)
+        return False
+
+    @staticmethod
+    @override
+    def _link_checkpoint(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
+        # As Lightning's, without the barrier: the link is only read by a later resume.
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            if os.path.islink(linkpath) or os.path.isfile(linkpath):
+                os.remove(linkpath)
+            elif os.path.isdir(linkpath):
+                shutil.rmtree(linkpath)
+            try:
+                os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), linkpath)
+            except OSError:  # no symlinks (Windows without privileges): copy
+                (shutil.copytree if os.path.isdir(filepath) else shutil.copy)(filepath, linkpath)
+
+    @override
+    def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        if self.last_model_path:  # saved or linked: either way it exists now
+            self._known.add(os.path.normpath(self.last_model_path))
+
+    @override
+    def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        super()._remove_checkpoint(trainer, filepath)
+        self._known.discard(os.path.normpath(filepath))
+
+    # ------------------------------------------------------------------------ compile safety
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self.compile_safe and "state_dict" in checkpoint:
+            checkpoint["state_dict"] = strip_compiled_prefixes(checkpoint["state_dict"])
+
+    # ------------------------------------------------------------------- saving and measuring
+
+    @override
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        before = memory_stats()
+        start = time.perf_counter()
+        super()._save_checkpoint(trainer, filepath)
+        stall = time.perf_counter() - start
+        self._known.add(os.path.normpath(filepath))
+        release = release_memory(self.cuda_fragmentation_threshold) if self.release_memory else None
+        if not trainer.is_global_zero:
+            return
+        after = release.after if release is not None else memory_stats()
+        io = trainer.strategy.checkpoint_io
+        nbytes, durable = _written(io, filepath, stall)
+        record = SaveRecord(
+            index=len(self._monitor.records),
+            path=filepath,
+            global_step=trainer.global_step,
+            step_index=len(self._monitor.step_times),
+            stall_s=stall,
+            release_s=0.0 if release is None else release.seconds,
+            nbytes=nbytes,
+            durable_s=durable,
+            host_rss_before=before.host_rss,
+            host_rss_after=after.host_rss,
+            cuda_reserved_before=before.cuda_reserved,
+            cuda_reserved_after=after.cuda_reserved,
+            cuda_cache_emptied=bool(release and release.cuda_cache_emptied),
+        )
+        self._monitor.records.append(record)
+        if durable is None:
+            self._awaiting_durable[os.path.abspath(filepath)] = record
+        self._log(trainer, record)
+        if self.verbose:
+            Console().print(save_line(record))
+
+    @property
+    def save_records(self) -> list[dict[str, Any]]:
+        """Every save's measurements, as plain data (rank 0; empty elsewhere)."""
+        return [r.as_dict() for r in self._monitor.records]
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        closed = self._monitor.on_step_start(time.perf_counter())
+        if trainer.is_global_zero:
+            for record in closed + self._newly_durable(trainer):
+                self._log(trainer, record)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._monitor.pause(time.perf_counter())  # validation time is not a training step
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        if not trainer.is_global_zero:
+            return
+        io = trainer.strategy.checkpoint_io
+        if self._awaiting_durable and hasattr(io, "wait"):
+            io.wait()  # final durability figures
+        for record in self._monitor.finish() + self._newly_durable(trainer):
+            self._log(trainer, record)
+        if self._monitor.records:
+            print_summary(self._monitor.records)
+        if self.dirpath is not None and self._monitor.records:
+            if self.metrics_file:
+                self._monitor.to_json(os.path.join(self.dirpath, self.metrics_file))
+            if self.plot:
+                self._monitor.plot(os.path.join(self.dirpath, "ckpt_step_times.png"))
+
+    def _newly_durable(self, trainer: pl.Trainer) -> list[SaveRecord]:
+        io = trainer.strategy.checkpoint_io
+        if not self._awaiting_durable or not hasattr(io, "poll"):
+            return []
+        done = []
+        for result in io.poll():
+            record = self._awaiting_durable.pop(os.path.abspath(result.path), None)
+            if record is not None:
+                record.nbytes, record.durable_s = result.nbytes, result.seconds
+                done.append(record)
+        return done
+
+    @staticmethod
+    def _log(trainer: pl.Trainer, record: SaveRecord) -> None:
+        metrics = record.metrics()
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def _written(io: Any, filepath: str, stall: float) -> tuple[int | None, float | None]:
+    """(bytes, seconds until durable) of a save that just returned, where the IO can tell."""
+    last = getattr(io, "last_save", None)
+    if last is not None and os.path.abspath(last.path) == os.path.abspath(filepath):
+        return last.nbytes, last.seconds  # ShardedCheckpointIO, synchronous
+    if getattr(io, "async_save", False):
+        return None, None  # known once the writer process reports it (see ``poll``)
+    if os.path.isfile(filepath):  # Lightning's TorchCheckpointIO: written when save returned
+        return os.path.getsize(filepath), stall
+    return None, None
+
+
+def _result_collections(trainer: pl.Trainer) -> list[Any]:
+    """Lightning's logged-metric collections of the training and validation loops."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    collections = [getattr(epoch_loop, "_results", None), getattr(getattr(epoch_loop, "val_loop", None), "_results", None)]
+    return [c for c in collections if c is not None]

@@ -1,0 +1,180 @@
+"""Self-measurement of saves: stall, durability, memory, and the post-save slowdown window.
+
+Step durations are the intervals between consecutive training-batch starts, so a step's duration
+includes a save made at its end. For a save at the end of step ``s``, the slowdown compares the
+median of the ``window`` steps after it with the median of the ``window`` steps before it, and
+``recovery_steps`` counts the steps after the save that stayed more than 10% slower than before
+(the field's "POST-CKPT" window). Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+RECOVERED_WITHIN = 1.10  # a step is "back to normal" within 10% of the pre-save median
+
+
+@dataclass
+class SaveRecord:
+    """One save, as measured by ``ShardedModelCheckpoint`` (``None``: not known (yet))."""
+
+    index: int
+    path: str
+    global_step: int
+    step_index: int  # training steps completed when the save happened
+    stall_s: float  # training loop blocked by the save call
+    release_s: float  # memory release after the save
+    nbytes: int | None
+    durable_s: float | None  # from the save call until committed and durable
+    host_rss_before: int
+    host_rss_after: int
+    cuda_reserved_before: int
+    cuda_reserved_after: int
+    cuda_cache_emptied: bool
+    pre_step_median_s: float | None = None
+    post_step_median_s: float | None = None
+    slowdown: float | None = None  # post / pre median step time
+    recovery_steps: int | None = None
+
+    @property
+    def throughput_gbps(self) -> float | None:
+        if self.nbytes is None or not self.durable_s:
+            return None
+        return self.nbytes / self.durable_s / 1e9
+
+    def metrics(self) -> dict[str, float]:
+        """The ``ckpt/...`` metrics known so far."""
+        values = {
+            "ckpt/stall_s": self.stall_s,
+            "ckpt/release_s": self.release_s,
+            "ckpt/host_rss_before_gb": self.host_rss_before / 1e9,
+            "ckpt/host_rss_after_gb": self.host_rss_after / 1e9,
+        }
+        if self.cuda_reserved_before:
+            values["ckpt/cuda_reserved_before_gb"] = self.cuda_reserved_before / 1e9
+            values["ckpt/cuda_reserved_after_gb"] = self.cuda_reserved_after / 1e9
+        optional = {
+            "ckpt/bytes_gb": None if self.nbytes is None else self.nbytes / 1e9,
+            "ckpt/durable_s": self.durable_s,
+            "ckpt/write_gbps": self.throughput_gbps,
+            "ckpt/post_save_slowdown": self.slowdown,
+            "ckpt/post_save_recovery_steps": None if self.recovery_steps is None else float(self.recovery_steps),
+        }
+        values.update({k: float(v) for k, v in optional.items() if v is not None})
+        return values
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "throughput_gbps": self.throughput_gbps}
+
+
+@dataclass
+class SaveMonitor:
+    """Step timing and save records (rank 0 only)."""
+
+    window: int = 20
+    step_times: list[float] = field(default_factory=list)
+    records: list[SaveRecord] = field(default_factory=list)
+    _last_start: float | None = None
+
+    def on_step_start(self, now: float) -> list[SaveRecord]:
+        """Record the previous step's duration; return records whose slowdown window just closed."""
+        if self._last_start is not None:
+            self.step_times.append(now - self._last_start)
+        self._last_start = now
+        return [r for r in self.records if r.slowdown is None and self._close_window(r, final=False)]
+
+    def pause(self, now: float) -> None:
+        """Validation (not training) starts: the current step ends here, and the time until the
+        next step starts is not counted as a step."""
+        if self._last_start is not None:
+            self.step_times.append(now - self._last_start)
+        self._last_start = None
+
+    def finish(self) -> list[SaveRecord]:
+        """End of training: close every open window with the steps there are."""
+        return [r for r in self.records if r.slowdown is None and self._close_window(r, final=True)]
+
+    def _close_window(self, record: SaveRecord, final: bool) -> bool:
+        save_step = record.step_index  # step_times[save_step] is the step containing the save
+        after = self.step_times[save_step + 1 : save_step + 1 + self.window]
+        before = self.step_times[max(0, save_step - self.window) : save_step]
+        if not before or not after or (len(after) < self.window and not final):
+            return False
+        record.pre_step_median_s = statistics.median(before)
+        record.post_step_median_s = statistics.median(after)
+        record.slowdown = record.post_step_median_s / record.pre_step_median_s
+        limit = RECOVERED_WITHIN * record.pre_step_median_s
+        record.recovery_steps = next((i for i, t in enumerate(after) if t <= limit), len(after))
+        return True
+
+    def to_json(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"saves": [r.as_dict() for r in self.records], "step_times_s": self.step_times}, f, indent=1)
+
+    def plot(self, path: str) -> bool:
+        """PNG of step time over training with the saves marked; False without matplotlib."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return False
+        fig, ax = plt.subplots(figsize=(10, 4))
+        ax.plot(range(len(self.step_times)), self.step_times, lw=0.8, label="step time")
+        for r in self.records:
+            ax.axvline(r.step_index, color="tab:red", alpha=0.4, lw=0.8)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("seconds")
+        ax.set_title("step time (red: checkpoint saves)")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return True
+
+
+def _fmt(value: float | None, unit: str = "", digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def save_line(record: SaveRecord) -> str:
+    """One concise rich-markup line for a save."""
+    size = "-" if record.nbytes is None else f"{record.nbytes / 1e9:.2f} GB"
+    return (
+        f"[bold]ckpt[/bold] step {record.global_step} → {os.path.basename(record.path)}: {size},"
+        f" stall {_fmt(record.stall_s, ' s', 3)}, durable {_fmt(record.durable_s, ' s')},"
+        f" RSS {record.host_rss_before / 1e9:.2f} → {record.host_rss_after / 1e9:.2f} GB"
+    )
+
+
+def summary_table(records: list[SaveRecord]) -> Table:
+    table = Table(title="checkpoint saves")
+    columns = ("step", "checkpoint", "GB", "stall s", "durable s", "GB/s", "slowdown", "recovery", "RSS after GB")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "checkpoint" else "right")
+    for r in records:
+        table.add_row(
+            str(r.global_step),
+            os.path.basename(r.path),
+            _fmt(None if r.nbytes is None else r.nbytes / 1e9),
+            _fmt(r.stall_s, digits=3),
+            _fmt(r.durable_s),
+            _fmt(r.throughput_gbps),
+            _fmt(r.slowdown, "×"),
+            "-" if r.recovery_steps is None else str(r.recovery_steps),
+            _fmt(r.host_rss_after / 1e9),
+        )
+    return table
+
+
+def print_summary(records: list[SaveRecord], console: Console | None = None) -> None:
+    if records:
+        (console or Console()).print(summary_table(records))

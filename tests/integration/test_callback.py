@@ -1,0 +1,127 @@
+"""ShardedModelCheckpoint with a real Trainer: same checkpoints as ModelCheckpoint, metrics, memory."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from models import STEPS_PER_EPOCH, TinyRegressor, trainer_kwargs
+
+import lightning_ckpt as lc
+
+CONFIGS = [
+    dict(monitor="train_loss", mode="min", save_top_k=2, every_n_train_steps=1, save_last=True),
+    dict(monitor="train_loss", mode="max", save_top_k=2, every_n_train_steps=1),
+    dict(monitor="train_loss", mode="min", save_top_k=1, every_n_train_steps=2, save_last="link"),
+    dict(monitor="train_loss", mode="min", save_top_k=-1, every_n_train_steps=3),
+    dict(monitor=None, save_top_k=1, every_n_train_steps=2, save_last=True),
+    dict(monitor="train_loss", save_top_k=3, every_n_epochs=1, save_last=True),
+    # A fixed file name: every save collides, so the version counter (file_exists) decides names.
+    dict(monitor="train_loss", filename="ckpt", save_top_k=-1, every_n_train_steps=2, save_last=True),
+    dict(monitor=None, filename="ckpt", save_top_k=-1, every_n_train_steps=1, enable_version_counter=False),
+]
+
+
+def _run(callback_cls, dirpath, config, epochs=3, **trainer_overrides):
+    seed_everything(0, workers=True)
+    callback = callback_cls(dirpath=dirpath, **config)
+    trainer = Trainer(
+        max_epochs=epochs,
+        callbacks=[callback],
+        plugins=[lc.ShardedCheckpointIO()],
+        **trainer_kwargs(**trainer_overrides),
+    )
+    trainer.fit(TinyRegressor())
+    return trainer, callback
+
+
+def _kept(folder) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if n.endswith(".ckpt"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_keeps_the_same_checkpoints_as_model_checkpoint(config, tmp_path):
+    _, stock = _run(ModelCheckpoint, tmp_path / "stock", config)
+    _, ours = _run(lc.ShardedModelCheckpoint, tmp_path / "ours", config)
+    assert _kept(tmp_path / "ours") == _kept(tmp_path / "stock")
+    assert os.path.basename(ours.best_model_path) == os.path.basename(stock.best_model_path)
+    assert os.path.basename(ours.last_model_path) == os.path.basename(stock.last_model_path)
+    assert sorted(map(os.path.basename, ours.best_k_models)) == sorted(map(os.path.basename, stock.best_k_models))
+    if config.get("save_last") == "link":
+        assert os.path.islink(tmp_path / "ours" / "last.ckpt")
+
+
+def test_records_metrics_through_the_loggers(tmp_path):
+    logger = CSVLogger(tmp_path / "logs", name="run")
+    seed_everything(0)
+    callback = lc.ShardedModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_top_k=-1, slowdown_window=2)
+    trainer = Trainer(
+        max_epochs=3, callbacks=[callback], plugins=[lc.ShardedCheckpointIO()], **trainer_kwargs(logger=logger)
+    )
+    trainer.fit(TinyRegressor())
+    records = callback.save_records
+    assert len(records) == 3 * STEPS_PER_EPOCH // 2
+    for record in records:
+        assert record["stall_s"] > 0 and record["nbytes"] > 0 and record["durable_s"] > 0
+        assert record["host_rss_after"] > 0
+    closed = [r for r in records if r["slowdown"] is not None]
+    assert closed and all(r["pre_step_median_s"] > 0 and r["recovery_steps"] >= 0 for r in closed)
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
+        rows = list(csv.DictReader(f))
+    logged = {k for row in rows for k, v in row.items() if v not in ("", None)}
+    for name in ("ckpt/stall_s", "ckpt/bytes_gb", "ckpt/durable_s", "ckpt/write_gbps", "ckpt/host_rss_after_gb",
+                 "ckpt/post_save_slowdown", "ckpt/post_save_recovery_steps"):
+        assert name in logged, name
+    saved = json.loads((tmp_path / "ckpts" / "ckpt_metrics.json").read_text())
+    assert len(saved["saves"]) == len(records) and len(saved["step_times_s"]) >= 3 * STEPS_PER_EPOCH - 1
+
+
+def test_async_saves_report_durability_later(tmp_path):
+    seed_everything(0)
+    callback = lc.ShardedModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    trainer = Trainer(
+        max_epochs=2, callbacks=[callback], plugins=[lc.ShardedCheckpointIO(async_save=True)], **trainer_kwargs()
+    )
+    trainer.fit(TinyRegressor())
+    records = callback.save_records
+    assert len(records) == 2 * STEPS_PER_EPOCH // 2
+    assert all(r["durable_s"] is not None and r["durable_s"] > 0 and r["nbytes"] > 0 for r in records)
+
+
+def test_works_with_lightnings_default_io(tmp_path):
+    seed_everything(0)
+    callback = lc.ShardedModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=2, monitor="train_loss")
+    trainer = Trainer(max_epochs=2, callbacks=[callback], **trainer_kwargs())
+    trainer.fit(TinyRegressor())
+    assert len(_kept(tmp_path)) == 2 and all(os.path.isfile(tmp_path / n) for n in _kept(tmp_path))
+    assert all(r["nbytes"] > 0 for r in callback.save_records)
+
+
+def test_memory_is_released_after_a_large_synchronous_save(tmp_path):
+    """Host RSS after saving a ~400 MB state comes back close to where it was before."""
+
+    class Big(TinyRegressor):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("ballast", torch.randn(100_000_000))  # 400 MB, saved in state_dict
+
+    seed_everything(0)
+    callback = lc.ShardedModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=1)
+    trainer = Trainer(max_epochs=1, callbacks=[callback], **trainer_kwargs())  # TorchCheckpointIO: pickles it all
+    trainer.fit(Big())
+    for record in callback.save_records:
+        grown = record["host_rss_after"] - record["host_rss_before"]
+        assert grown < 100e6, f"RSS grew by {grown / 1e6:.0f} MB across a save of {record['nbytes'] / 1e6:.0f} MB"
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="cuda_fragmentation_threshold"):
+        lc.ShardedModelCheckpoint(cuda_fragmentation_threshold=2)
+    with pytest.raises(ValueError, match="slowdown_window"):
+        lc.ShardedModelCheckpoint(slowdown_window=0)

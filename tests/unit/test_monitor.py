@@ -1,0 +1,50 @@
+"""The post-save slowdown window, computed from step times alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_ckpt.monitor import SaveMonitor, SaveRecord
+
+
+def _record(step_index: int) -> SaveRecord:
+    return SaveRecord(0, "x.ckpt", step_index, step_index, 0.5, 0.0, 100, 0.5, 0, 0, 0, 0, False)
+
+
+def _feed(monitor: SaveMonitor, durations: list[float]) -> list[SaveRecord]:
+    closed, now = [], 0.0
+    closed += monitor.on_step_start(now)
+    for d in durations:
+        now += d
+        closed += monitor.on_step_start(now)
+    return closed
+
+
+def test_slowdown_and_recovery_steps():
+    monitor = SaveMonitor(window=4)
+    record = _record(step_index=4)
+    monitor.records.append(record)
+    # 4 normal steps, the save step, then 2 slow steps and back to normal.
+    closed = _feed(monitor, [1.0, 1.0, 1.0, 1.0, 3.0, 2.0, 1.5, 1.0, 1.0])
+    assert closed == [record]
+    assert record.pre_step_median_s == pytest.approx(1.0)
+    assert record.post_step_median_s == pytest.approx(1.25)  # median of 2.0, 1.5, 1.0, 1.0
+    assert record.slowdown == pytest.approx(1.25) and record.recovery_steps == 2
+
+
+def test_window_waits_for_enough_steps_and_finish_closes_it():
+    monitor = SaveMonitor(window=10)
+    record = _record(step_index=2)
+    monitor.records.append(record)
+    assert _feed(monitor, [1.0, 1.0, 5.0, 1.05]) == []
+    assert monitor.finish() == [record]
+    assert record.recovery_steps == 0 and record.slowdown == pytest.approx(1.05)
+
+
+def test_validation_time_is_not_a_step():
+    monitor = SaveMonitor(window=2)
+    monitor.on_step_start(0.0)
+    monitor.pause(1.0)  # the step ended when validation started
+    monitor.on_step_start(100.0)  # the next training step after a long validation
+    monitor.on_step_start(101.0)
+    assert monitor.step_times == pytest.approx([1.0, 1.0])
