@@ -10,6 +10,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(autouse=True)
-def _quiet_lightning(monkeypatch):
+def _isolated(monkeypatch, tmp_path):
+    """Every test runs in its own temporary folder: nothing it writes by default lands in the repo."""
     monkeypatch.setenv("PL_DISABLE_FORK", "1")
+    monkeypatch.chdir(tmp_path)
     yield
