@@ -291,12 +291,12 @@ class _DcpAsync(_Contender):
 
 
 class _Sharded(_Contender):
-    def __init__(self, run_dir: str, asynchronous: bool) -> None:
+    def __init__(self, run_dir: str, asynchronous: bool, max_write_rate: str | None = None) -> None:
         super().__init__()
         from lightning_ckpt import ShardedCheckpointIO
 
         self.asynchronous = asynchronous
-        self.io = ShardedCheckpointIO(async_save=asynchronous)
+        self.io = ShardedCheckpointIO(async_save=asynchronous, max_write_rate=max_write_rate)
         self._handed_off: dict[str, float] = {}  # path -> perf_counter when save_checkpoint returned
 
     def save(self, checkpoint: dict[str, Any], path: str) -> None:
@@ -330,7 +330,7 @@ class _Sharded(_Contender):
         self.io.teardown()
 
 
-def _make_contender(name: str, run_dir: str) -> _Contender:
+def _make_contender(name: str, run_dir: str, max_write_rate: str | None = None) -> _Contender:
     if name == "torch_io":
         return _TorchIO(run_dir)
     if name == "async_io":
@@ -338,7 +338,7 @@ def _make_contender(name: str, run_dir: str) -> _Contender:
     if name == "dcp_async":
         return _DcpAsync(run_dir)
     if name == "sharded_async":
-        return _Sharded(run_dir, asynchronous=True)
+        return _Sharded(run_dir, asynchronous=True, max_write_rate=max_write_rate)
     if name == "sharded_sync":
         return _Sharded(run_dir, asynchronous=False)
     raise ValueError(f"unknown contender {name!r}")
@@ -385,7 +385,7 @@ def _train_loop(task: Task) -> Metrics:
             c.add_(1)
         checkpoint["global_step"] += 1
 
-    contender = _make_contender(task["contender"], task["run_dir"])
+    contender = _make_contender(task["contender"], task["run_dir"], task.get("max_write_rate"))
     tag, n_saves, every, schedule = task["tag"], task["saves"], task["every"], task["schedule"]
     guard_bytes = 2 * nbytes + GB  # fixed schedule: defer a save while this much memory is not available
     saves: list[dict[str, Any]] = []
@@ -824,6 +824,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", dest="json_path", default=None, help="also write the results JSON here")
     parser.add_argument("--timeout", type=float, default=1800.0, help="limit per training-loop run, seconds (default 1800)")
+    parser.add_argument(
+        "--max-write-rate", default=None, help="ShardedCheckpointIO(max_write_rate=...) for sharded_async, e.g. 1GB (per second)"
+    )
     return parser
 
 
@@ -889,6 +892,7 @@ def main(argv: list[str] | None = None) -> int:
                         "matmuls": matmuls,
                         "matmul_size": MATMUL_SIZE,
                         "timeout_s": args.timeout,
+                        "max_write_rate": args.max_write_rate,
                     }
                 log(f"[{r + 1}/{args.repeats}] {name}")
                 try:

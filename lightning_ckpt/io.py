@@ -157,6 +157,9 @@ class ShardedCheckpointIO(CheckpointIO):
         staging_pool_size: cap on the staging pool (``None``: as large as the state needs).
         on_error: a failed background write is ``"raise"`` d (once, at the next save, ``wait()`` or
             ``teardown()``) or only ``"warn"`` ed, so training goes on.
+        max_write_rate: cap on the writer process's write rate, in bytes per second (``"1GB"``
+            means 1 GB/s). Spreading the write out makes it compete less with training for memory
+            bandwidth and I/O, at the cost of a later durable time. ``None``: as fast as possible.
 
     Call order and ranks: Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0
     only, ``load_checkpoint`` and ``teardown`` on every rank; none of them runs a collective.
@@ -172,6 +175,7 @@ class ShardedCheckpointIO(CheckpointIO):
         when_busy: Literal["wait", "skip"] = "wait",
         staging_pool_size: int | str | None = None,
         on_error: Literal["raise", "warn"] = "raise",
+        max_write_rate: int | str | None = None,
     ) -> None:
         super().__init__()
         self.max_shard_size = parse_size(max_shard_size, "max_shard_size")
@@ -192,7 +196,10 @@ class ShardedCheckpointIO(CheckpointIO):
         pool_cap = None if staging_pool_size is None else parse_size(staging_pool_size, "staging_pool_size")
         self._writer = ShardWriter(parse_size(buffer_size, "buffer_size"), direct_io)
         self._pool = StagingPool(pool_cap)
-        self._worker = WriterProcess({"chunk_bytes": self._writer.chunk_bytes, "direct_io": direct_io})
+        rate = None if max_write_rate is None else parse_size(max_write_rate, "max_write_rate")
+        self._worker = WriterProcess(
+            {"chunk_bytes": self._writer.chunk_bytes, "direct_io": direct_io, "max_write_rate": rate}
+        )
         self._lock = threading.RLock()
         self._deferred: tuple[Callable[[], None], Callable[[], None]] | None = None
         self._deferred_hook: Any = None

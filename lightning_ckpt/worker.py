@@ -314,7 +314,7 @@ def _serve(sock: socket.socket) -> None:
             os.close(fds[0])
         kind = message["kind"]
         if kind == "config":
-            writer = ShardWriter(message["chunk_bytes"], message["direct_io"])
+            writer = ShardWriter(message["chunk_bytes"], message["direct_io"], message.get("max_write_rate"))
             continue
         if kind == "stop":
             return

@@ -74,9 +74,12 @@ class ShardWriter:
     filesystem takes it. Not thread-safe: one save at a time.
     """
 
-    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, direct_io: bool | None = None) -> None:
+    def __init__(
+        self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, direct_io: bool | None = None, max_rate: float | None = None
+    ) -> None:
         self.chunk_bytes = max(_ALIGN, chunk_bytes // _ALIGN * _ALIGN)
         self.direct_io = direct_io  # None: probe per directory
+        self.max_rate = max_rate  # bytes/s cap for write_image (async path); None: as fast as possible
         self._buffers: list[mmap.mmap] = []
         self._direct_ok: dict[str, bool] = {}
 
@@ -202,22 +205,31 @@ class ShardWriter:
         """
         image = memoryview(buffer)[offset : offset + size]
         crc = [0]
-        hasher = threading.Thread(target=lambda: crc.__setitem__(0, fmt.checksum(image)), name="lightning_ckpt-hash")
+        # Full speed: a thread hashes the whole image while this one writes. Rate-capped: hash
+        # chunk by chunk inside the paced loop, so the hashing is spread out as well.
+        hasher = None
+        if not self.max_rate:
+            hasher = threading.Thread(target=lambda: crc.__setitem__(0, fmt.checksum(image)), name="lightning_ckpt-hash")
         fd = _open_for_write(path, direct)
         try:
-            hasher.start()
+            if hasher is not None:
+                hasher.start()
+            data = memoryview(buffer)[offset : offset + -(-size // _ALIGN) * _ALIGN] if direct else image
+            began = time.perf_counter()
+            for start in range(0, len(data), self.chunk_bytes):
+                _write_all(fd, data[start : start + self.chunk_bytes])
+                if self.max_rate:
+                    crc[0] = fmt.checksum(image[start : start + self.chunk_bytes], crc[0])
+                    ahead = (start + self.chunk_bytes) / self.max_rate - (time.perf_counter() - began)
+                    if ahead > 0:
+                        time.sleep(ahead)
             if direct:
-                padded = memoryview(buffer)[offset : offset + -(-size // _ALIGN) * _ALIGN]
-                for start in range(0, len(padded), self.chunk_bytes):
-                    _write_all(fd, padded[start : start + self.chunk_bytes])
                 os.ftruncate(fd, size)
-            else:
-                _write_all(fd, image)
             os.fsync(fd)
             drop_page_cache(fd)
         finally:
             os.close(fd)
-            if hasher.ident is not None:
+            if hasher is not None and hasher.ident is not None:
                 hasher.join()
         return fmt.FileRecord(size=size, crc32=fmt.format_checksum(crc[0]))
 
