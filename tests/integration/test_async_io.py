@@ -265,3 +265,20 @@ def test_a_shard_larger_than_the_pool_cap_is_a_clear_error(tmp_path):
     finally:
         io.teardown()
     assert not (tmp_path / "x.ckpt").exists()
+
+
+def test_rate_capped_writer_writes_the_same_bytes(tmp_path):
+    state = _state(scale=4)
+    io = lc.ShardedCheckpointIO(async_save=True, max_write_rate="2GB", buffer_size="1MiB")
+    try:
+        io.save_checkpoint(state, tmp_path / "capped.ckpt")
+        io.wait()
+    finally:
+        io.teardown()
+    lc.save_checkpoint(state, tmp_path / "sync.ckpt")
+    for name in os.listdir(tmp_path / "sync.ckpt"):
+        if name != "manifest.json":
+            assert (tmp_path / "capped.ckpt" / name).read_bytes() == (tmp_path / "sync.ckpt" / name).read_bytes()
+    lc.verify_checkpoint(tmp_path / "capped.ckpt")
+    with pytest.raises(ValueError, match="max_write_rate"):
+        lc.ShardedCheckpointIO(async_save=True, max_write_rate="fast")
