@@ -18,7 +18,6 @@ import base64
 import io
 import math
 import re
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any

@@ -60,3 +60,27 @@ def trainer_kwargs(**overrides):
     )
     kwargs.update(overrides)
     return kwargs
+
+
+def fit_regressor(max_epochs: int, dirpath=None, every_n_train_steps: int = 2, ckpt_path=None, plugin=None, **overrides):
+    """Seeded fit of a fresh ``TinyRegressor``; with ``dirpath``, a top-2 + ``last`` ModelCheckpoint
+    on ``train_loss`` every ``every_n_train_steps``. Returns (trainer, model)."""
+    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    seed_everything(0, workers=True)
+    model = TinyRegressor()
+    callbacks = (
+        [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=every_n_train_steps, save_top_k=2, monitor="train_loss", save_last=True)]
+        if dirpath is not None
+        else []
+    )
+    trainer = Trainer(
+        max_epochs=max_epochs,
+        callbacks=callbacks,
+        enable_checkpointing=bool(callbacks),
+        plugins=[plugin] if plugin is not None else [],
+        **trainer_kwargs(**overrides),
+    )
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer, model

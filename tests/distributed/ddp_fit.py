@@ -14,9 +14,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from lightning.pytorch import Trainer, seed_everything  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from models import TinyRegressor, trainer_kwargs  # noqa: E402
+from lightning.pytorch import Trainer  # noqa: E402
+from models import TinyRegressor, fit_regressor  # noqa: E402
 
 import lightning_ckpt as lc  # noqa: E402
 
@@ -25,22 +24,14 @@ ASYNC = len(sys.argv) > 2 and sys.argv[2] == "async"
 
 
 def fit(out: str, max_epochs: int, checkpoint: bool, ckpt_path: str | None = None) -> tuple[Trainer, TinyRegressor]:
-    seed_everything(0, workers=True)
-    model = TinyRegressor()
-    callbacks = (
-        [ModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=2, monitor="train_loss", save_last=True)]
-        if checkpoint
-        else []
+    return fit_regressor(
+        max_epochs,
+        dirpath=out if checkpoint else None,
+        ckpt_path=ckpt_path,
+        plugin=lc.ShardedCheckpointIO(async_save=ASYNC),
+        strategy="ddp",
+        devices=2,
     )
-    trainer = Trainer(
-        max_epochs=max_epochs,
-        callbacks=callbacks,
-        enable_checkpointing=checkpoint,
-        plugins=[lc.ShardedCheckpointIO(async_save=ASYNC)],
-        **trainer_kwargs(strategy="ddp", devices=2),
-    )
-    trainer.fit(model, ckpt_path=ckpt_path)
-    return trainer, model
 
 
 def main(report: str) -> None:

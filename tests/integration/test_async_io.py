@@ -8,9 +8,7 @@ import time
 
 import pytest
 import torch
-from lightning.pytorch import Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
-from models import STEPS_PER_EPOCH, TinyRegressor, trainer_kwargs
+from models import STEPS_PER_EPOCH, fit_regressor
 
 import lightning_ckpt as lc
 
@@ -203,22 +201,13 @@ def test_teardown_leaves_no_process_and_no_shared_memory(tmp_path):
 
 def test_async_trainer_saves_every_step_and_resumes_bit_identically(tmp_path):
     def fit(max_epochs, ckpt_path=None, checkpointing=True):
-        seed_everything(0, workers=True)
-        model = TinyRegressor()
-        callbacks = (
-            [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=2, monitor="train_loss", save_last=True)]
-            if checkpointing
-            else []
+        return fit_regressor(
+            max_epochs,
+            dirpath=tmp_path if checkpointing else None,
+            every_n_train_steps=1,
+            ckpt_path=ckpt_path,
+            plugin=lc.ShardedCheckpointIO(async_save=True),
         )
-        trainer = Trainer(
-            max_epochs=max_epochs,
-            callbacks=callbacks,
-            enable_checkpointing=checkpointing,
-            plugins=[lc.ShardedCheckpointIO(async_save=True)],
-            **trainer_kwargs(),
-        )
-        trainer.fit(model, ckpt_path=ckpt_path)
-        return trainer, model
 
     _, reference = fit(4, checkpointing=False)
     fit(2)

@@ -10,16 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers import assert_positive_medians
+
 from lightning_ckpt import bench, bench_async
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the benchmark reads Linux /proc")
 
-
-def _positive_median(summary: dict, *keys: str) -> None:
-    for key in keys:
-        median = summary[key]["median"]
-        assert isinstance(median, float) and math.isfinite(median) and median > 0, (key, summary[key])
-        assert len(summary[key]["values"]) == 1
 
 
 def test_bench_async_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -47,7 +43,7 @@ def test_bench_async_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert set(results["contenders"]) == set(bench_async.CONTENDERS)
     for name, entry in results["contenders"].items():
         summary = entry["summary"]
-        _positive_median(
+        assert_positive_medians(
             summary,
             "baseline_step_median_seconds",
             "call_first_seconds",
@@ -74,7 +70,7 @@ def test_bench_async_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert results["contenders"]["sharded_async"]["runs"][0]["helpers"]  # its writer process was seen
 
     copy = results["plain_copy"]["summary"]
-    _positive_median(copy, "seconds", "GBps")
+    assert_positive_medians(copy, "seconds", "GBps")
     ratios = results["ratios"]
     assert ratios["stall_steady_vs_torch_io"]["torch_io"] == pytest.approx(1.0)
     assert ratios["sharded_async_vs_dcp_async"]["durable_steady"] > 0

@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
 import pytest
 
+from helpers import assert_positive_medians
+
 from lightning_ckpt import bench
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the benchmark reads Linux /proc")
 
-
-def _positive(op: dict, *keys: str) -> None:
-    for key in keys:
-        median = op[key]["median"]
-        assert isinstance(median, float) and math.isfinite(median) and median > 0, (key, op[key])
-        assert len(op[key]["values"]) == 1
 
 
 def test_bench_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -40,13 +35,13 @@ def test_bench_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert 0.9 * 3e6 < result["state_bytes"] < 1.1 * 3e6 and 20 <= result["state_tensors"] // 3 <= 80
 
     plain = result["plain_write"]
-    _positive(plain["buffered"], "seconds", "GBps")
+    assert_positive_medians(plain["buffered"], "seconds", "GBps")
     assert plain["best_plain_GBps"] > 0
     for op in (result["torch_io"]["save"], result["sharded_io"]["save_first"], result["sharded_io"]["save_steady"]):
-        _positive(op, "seconds", "GBps", "vs_plain")
+        assert_positive_medians(op, "seconds", "GBps", "vs_plain")
         assert op["peak_rss_mb"]["median"] >= 0 and op["bytes_written"]["median"] >= result["state_bytes"]
     for op in (result["torch_io"]["load"], result["sharded_io"]["load"]):
-        _positive(op, "seconds", "GBps", "load_checkpoint_seconds")
+        assert_positive_medians(op, "seconds", "GBps", "load_checkpoint_seconds")
         assert op["peak_rss_mb"]["median"] >= 0 and op["peak_rss_anon_mb"]["median"] >= 0
     ratios = result["ratios_ours_over_torch_io"]
     assert {"save_seconds", "save_peak_rss", "load_seconds", "load_peak_rss", "load_peak_rss_anon"} <= ratios.keys()
