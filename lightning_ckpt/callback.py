@@ -13,12 +13,17 @@ take alike are taken locally:
   or a single process. Otherwise it falls back to Lightning's all-reduce;
 * ``save_last="link"`` links without a barrier.
 
-What remains per save is the barrier in ``Trainer.save_checkpoint``. ``train_time_interval`` keeps
-Lightning's per-batch broadcast (rank-local clocks cannot decide alike without one).
+* ``train_time_interval``: rank 0 decides at scheduled check steps only, and broadcasts the
+  decision together with the number of steps until the next check (from its measured step time),
+  so every rank skips the same steps without talking: about one broadcast per interval instead
+  of one per batch. A time-triggered save happens at the first check step after the interval.
+
+What remains per save is the barrier in ``Trainer.save_checkpoint``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
@@ -116,6 +121,12 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         self._known: set[str] = set()
         self._load_hook: Any = None
         self._awaiting_durable: dict[str, SaveRecord] = {}
+        # The triggers as configured: on_train_batch_end toggles the live ones for one call.
+        self._configured_triggers = (self._every_n_train_steps, self._train_time_interval)
+        # Time trigger (see the module docstring): identical on every rank except the clock.
+        self._time_reference = 0.0  # rank 0: when the interval started
+        self._steps_to_check = 1
+        self._steps_since_reference = 0
 
     # ------------------------------------------------------------------------------ collectives
 
@@ -136,6 +147,62 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             self._load_hook.remove()
             self._load_hook = None
         super().teardown(trainer, pl_module, stage)
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # ModelCheckpoint's key, so the callback state moves between the two classes (switch to
+        # this one and resume with the top-k record intact), built from the configured triggers
+        # (on_train_batch_end toggles the live trigger attributes for one call).
+        every_n_train_steps, train_time_interval = self._configured_triggers
+        config = dict(
+            monitor=self.monitor,
+            mode=self.mode,
+            every_n_train_steps=every_n_train_steps,
+            every_n_epochs=self._every_n_epochs,
+            train_time_interval=train_time_interval,
+        )
+        return f"{ModelCheckpoint.__qualname__}{config!r}"
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._time_reference, self._steps_to_check, self._steps_since_reference = time.monotonic(), 1, 0
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        interval = self._train_time_interval
+        if interval is None:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            return
+        # Lightning's time trigger broadcasts every batch. Decide here instead, then let Lightning
+        # run its step-trigger path (every_n_train_steps=1) for exactly the steps that save.
+        save_now = self._time_to_save(trainer, interval.total_seconds())
+        self._train_time_interval, self._every_n_train_steps = None, 1 if save_now else 0
+        try:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        finally:
+            self._train_time_interval, self._every_n_train_steps = interval, 0
+
+    def _time_to_save(self, trainer: pl.Trainer, interval: float) -> bool:
+        """Rank-consistent time decision, communicating only on scheduled check steps."""
+        self._steps_since_reference += 1
+        self._steps_to_check -= 1
+        if self._steps_to_check > 0:
+            return False
+        decision: tuple[bool, int] | None = None
+        if trainer.is_global_zero:
+            elapsed = time.monotonic() - self._time_reference
+            per_step = elapsed / self._steps_since_reference
+            save = elapsed >= interval
+            remaining = interval if save else interval - elapsed
+            decision = (save, max(1, math.ceil(remaining / per_step)) if per_step > 0 else 1)
+        save, self._steps_to_check = trainer.strategy.broadcast(decision)
+        if save:
+            self._time_reference, self._steps_since_reference = time.monotonic(), 0
+        return save
 
     @override
     def file_exists(self, filepath: _PATH, trainer: pl.Trainer) -> bool:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
-from lightning.pytorch import Trainer, seed_everything  # noqa: E402
+from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from models import TinyRegressor, trainer_kwargs  # noqa: E402
 
@@ -37,9 +39,15 @@ for _name in COLLECTIVES:
         setattr(dist, _name, _count(_name, getattr(dist, _name)))
 
 
+TIME_MODE = len(sys.argv) > 2 and sys.argv[2] == "time"
+
+
 def run(callback_cls, out: str) -> tuple[list[dict], list[str], bool]:
     seed_everything(0)
-    callback = callback_cls(dirpath=out, every_n_train_steps=2, save_top_k=2, monitor="train_loss", save_last=True)
+    if TIME_MODE:  # a save every ~0.5 s of training
+        callback = callback_cls(dirpath=out, train_time_interval=timedelta(seconds=0.5), save_top_k=-1, save_last=True)
+    else:
+        callback = callback_cls(dirpath=out, every_n_train_steps=2, save_top_k=2, monitor="train_loss", save_last=True)
     steps: list[dict] = []
     files: list[str] = []
     hook, save = callback.on_train_batch_end, callback._save_checkpoint
@@ -57,11 +65,21 @@ def run(callback_cls, out: str) -> tuple[list[dict], list[str], bool]:
     callback._save_checkpoint = counted_save
     callback.on_train_batch_end = counted
     trainer = Trainer(
-        max_epochs=3, callbacks=[callback], plugins=[lc.ShardedCheckpointIO()], **trainer_kwargs(strategy="ddp", devices=2)
+        max_epochs=30 if TIME_MODE else 3,
+        callbacks=[callback, *([Slow()] if TIME_MODE else [])],
+        plugins=[lc.ShardedCheckpointIO()],
+        **trainer_kwargs(strategy="ddp", devices=2),
     )
     trainer.fit(TinyRegressor())
     kept = sorted(n for n in os.listdir(out) if n.endswith(".ckpt")) if trainer.is_global_zero else []
     return steps, kept, trainer.is_global_zero
+
+
+class Slow(Callback):
+    """~50 ms per step, so a time interval spans several steps."""
+
+    def on_train_batch_start(self, *args) -> None:
+        time.sleep(0.05)
 
 
 def main(report: str) -> None:

@@ -14,15 +14,19 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 
-def test_collectives_per_step(tmp_path):
+def _run(tmp_path, mode: str) -> dict:
     report = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
     proc = subprocess.run(
-        [sys.executable, os.path.join(os.path.dirname(__file__), "collectives_fit.py"), str(report)],
+        [sys.executable, os.path.join(os.path.dirname(__file__), "collectives_fit.py"), str(report), mode],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    result = json.loads(report.read_text())
+    return json.loads(report.read_text())
+
+
+def test_collectives_per_step(tmp_path):
+    result = _run(tmp_path, "steps")
     stock, ours = result["stock"], result["ours"]
     assert [s["saved"] for s in ours] == [s["saved"] for s in stock] and any(s["saved"] for s in ours)
     for step in ours:
@@ -32,3 +36,16 @@ def test_collectives_per_step(tmp_path):
     assert min(stock_per_save) >= 5, stock  # what the callback avoids (7 with top-k, version counter, last)
     assert all(not s["collectives"] for s in stock if not s["saved"])
     assert result["ours_kept"] == result["stock_kept"] and "last.ckpt" in result["ours_kept"]
+
+
+def test_time_trigger_without_a_per_batch_broadcast(tmp_path):
+    result = _run(tmp_path, "time")
+    stock, ours = result["stock"], result["ours"]
+    assert all(any(c.startswith("broadcast") for c in s["collectives"]) for s in stock)  # every batch
+    saves = sum(s["saved"] for s in ours)
+    checks = sum(any(c.startswith("broadcast") for c in s["collectives"]) for s in ours)
+    assert saves >= 2, ours
+    assert checks <= 3 * saves + 2 and checks < len(ours) / 2, (checks, saves, len(ours))
+    for step in ours:
+        assert [c for c in step["collectives"] if not c.startswith("broadcast")] == ["barrier"] * len(step["files"])
+    assert len(result["ours_kept"]) >= 2 and "last.ckpt" in result["ours_kept"]

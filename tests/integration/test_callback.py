@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+from datetime import timedelta
 import json
 import os
 
@@ -125,3 +126,34 @@ def test_bad_arguments_are_named():
         lc.ShardedModelCheckpoint(cuda_fragmentation_threshold=2)
     with pytest.raises(ValueError, match="slowdown_window"):
         lc.ShardedModelCheckpoint(slowdown_window=0)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [dict(train_time_interval=timedelta(seconds=5)), dict(every_n_train_steps=3, monitor="x"), dict(every_n_epochs=2)],
+)
+def test_state_key_matches_model_checkpoint(config):
+    """Saved callback state is found again on resume, whatever the trigger, and moves between
+    ModelCheckpoint and ShardedModelCheckpoint."""
+    assert lc.ShardedModelCheckpoint(**config).state_key == ModelCheckpoint(**config).state_key
+
+
+def test_time_trigger_saves_and_resumes_its_state(tmp_path):
+    import time as _time
+
+    from lightning.pytorch import Callback
+
+    class Slow(Callback):
+        def on_train_batch_start(self, *args):
+            _time.sleep(0.05)
+
+    seed_everything(0)
+    # The interval counts training time including saves (as Lightning's does): keep it well above
+    # one save + memory release (~0.2 s in a big test process).
+    callback = lc.ShardedModelCheckpoint(dirpath=tmp_path, train_time_interval=timedelta(seconds=0.8), save_top_k=-1)
+    trainer = Trainer(max_epochs=10, callbacks=[callback, Slow()], plugins=[lc.ShardedCheckpointIO()], **trainer_kwargs())
+    trainer.fit(TinyRegressor())
+    kept = _kept(tmp_path)
+    assert 2 <= len(kept) < 10 * STEPS_PER_EPOCH / 3, kept  # saved by time (~every 0.8 s), not every step
+    state = lc.load_checkpoint(tmp_path / kept[-1])["callbacks"]
+    assert callback.state_key in state
