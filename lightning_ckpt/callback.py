@@ -39,8 +39,11 @@ from typing_extensions import override
 from lightning_ckpt.compile import install_load_hook, strip_compiled_prefixes
 from lightning_ckpt.memory import memory_stats, release_memory
 from lightning_ckpt.monitor import SaveMonitor, SaveRecord, print_summary, save_line
+from lightning_ckpt.writer import TempDir, commit
 
 _PATH = Union[str, "os.PathLike[str]"]
+# Checkpoint paths known to exist, per folder (see the module docstring); shared by instances.
+_RECORDS: dict[str, set[str]] = {}
 
 
 class ShardedModelCheckpoint(ModelCheckpoint):
@@ -120,7 +123,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         self._monitor = SaveMonitor(window=slowdown_window)
         self._known: set[str] = set()
         self._load_hook: Any = None
-        self._awaiting_durable: dict[str, SaveRecord] = {}
+        self._awaiting_durable: list[tuple[str, SaveRecord]] = []
         # The triggers as configured: on_train_batch_end toggles the live ones for one call.
         self._configured_triggers = (self._every_n_train_steps, self._train_time_interval)
         # Time trigger (see the module docstring): identical on every rank except the clock.
@@ -137,7 +140,11 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         listing: list[str] = []
         if trainer.is_global_zero and self.dirpath is not None and os.path.isdir(self.dirpath):
             listing = sorted(os.path.normpath(os.path.join(self.dirpath, name)) for name in os.listdir(self.dirpath))
-        self._known = set(trainer.strategy.broadcast(listing))
+        # One record per folder, shared by every checkpoint callback saving there (as the
+        # filesystem would be), refreshed from rank 0's listing.
+        record = _RECORDS.setdefault(os.path.normpath(os.fspath(self.dirpath or "")), set())
+        record.update(trainer.strategy.broadcast(listing))
+        self._known = record
         if self.compile_safe and self._load_hook is None:
             self._load_hook = install_load_hook(pl_module)
 
@@ -227,8 +234,10 @@ class ShardedModelCheckpoint(ModelCheckpoint):
                 meta = getattr(result, "meta", None)
                 if meta is None or meta.name != self.monitor:
                     continue
-                if not result.is_tensor:  # a torchmetrics Metric: computed over all ranks
-                    return True
+                if not result.is_tensor:
+                    # A torchmetrics Metric: synced when computed at epoch level, or on every step
+                    # if it was built with dist_sync_on_step=True; a step value is rank-local.
+                    return bool(getattr(result.value, "dist_sync_on_step", False) or not meta.on_step)
                 return bool(meta.sync.should and not meta.sync.rank_zero_only)
         return False
 
@@ -236,15 +245,21 @@ class ShardedModelCheckpoint(ModelCheckpoint):
     @override
     def _link_checkpoint(trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
         # As Lightning's, without the barrier: the link is only read by a later resume.
+        # The new link is made under a temporary name and swapped in atomically, so there is
+        # always a complete last.ckpt (the old one until the swap).
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
-            if os.path.islink(linkpath) or os.path.isfile(linkpath):
-                os.remove(linkpath)
-            elif os.path.isdir(linkpath):
-                shutil.rmtree(linkpath)
+            linkpath = os.path.abspath(linkpath)
+            temporary = TempDir(linkpath, make_dir=False)  # locked: stale cleanup leaves it alone
             try:
-                os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), linkpath)
-            except OSError:  # no symlinks (Windows without privileges): copy
-                (shutil.copytree if os.path.isdir(filepath) else shutil.copy)(filepath, linkpath)
+                try:
+                    os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), temporary.path)
+                except OSError:  # no symlinks (Windows without privileges): copy
+                    (shutil.copytree if os.path.isdir(filepath) else shutil.copy)(filepath, temporary.path)
+                commit(temporary.path, linkpath)
+            except BaseException:
+                temporary.release(remove=True)
+                raise
+            temporary.release(remove=False)
 
     @override
     def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
@@ -296,7 +311,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         )
         self._monitor.records.append(record)
         if durable is None:
-            self._awaiting_durable[os.path.abspath(filepath)] = record
+            self._awaiting_durable.append((os.path.abspath(filepath), record))
         self._log(trainer, record)
         if self.verbose:
             Console().print(save_line(record))
@@ -340,9 +355,11 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         if not self._awaiting_durable or not hasattr(io, "poll"):
             return []
         done = []
-        for result in io.poll():
-            record = self._awaiting_durable.pop(os.path.abspath(result.path), None)
-            if record is not None:
+        for result in io.poll():  # in completion order, which is submission order
+            path = os.path.abspath(result.path)
+            match = next((i for i, (p, _) in enumerate(self._awaiting_durable) if p == path), None)
+            if match is not None:
+                _, record = self._awaiting_durable.pop(match)
                 record.nbytes, record.durable_s = result.nbytes, result.seconds
                 done.append(record)
         return done
@@ -356,11 +373,11 @@ class ShardedModelCheckpoint(ModelCheckpoint):
 
 def _written(io: Any, filepath: str, stall: float) -> tuple[int | None, float | None]:
     """(bytes, seconds until durable) of a save that just returned, where the IO can tell."""
+    if getattr(io, "async_save", False):
+        return None, None  # known once the writer process reports it (see ``poll``)
     last = getattr(io, "last_save", None)
     if last is not None and os.path.abspath(last.path) == os.path.abspath(filepath):
         return last.nbytes, last.seconds  # ShardedCheckpointIO, synchronous
-    if getattr(io, "async_save", False):
-        return None, None  # known once the writer process reports it (see ``poll``)
     if os.path.isfile(filepath):  # Lightning's TorchCheckpointIO: written when save returned
         return os.path.getsize(filepath), stall
     return None, None

@@ -78,6 +78,25 @@ def _prepare(checkpoint: dict[str, Any], max_shard_size: int) -> _Prepared:
     return _Prepared(plan, metadata, step if type(step) is int else None, epoch if type(epoch) is int else None)
 
 
+def _fingerprint(plan: Plan) -> tuple[Any, ...] | None:
+    """Identity and version of every tensor a plan writes: equal fingerprints mean equal bytes.
+
+    ``_version`` is bumped by every in-place change (optimizer steps included) and shared with
+    ``detach()``-ed views such as state-dict entries. ``None`` for plans with shared-storage spans
+    (their blob tensors are fresh views whose version does not follow the originals).
+    """
+    entries = []
+    for shard in plan.shards:
+        for blob in shard.blobs:
+            if blob.source is None or blob.name.endswith(".__span__"):
+                return None
+            source = blob.source
+            entries.append(
+                (shard.filename, blob.name, blob.dtype, blob.shape, source.device, source.data_ptr(), source._version)
+            )
+    return tuple(entries)
+
+
 def save_checkpoint(
     checkpoint: dict[str, Any],
     path: str | os.PathLike[str],
@@ -204,6 +223,7 @@ class ShardedCheckpointIO(CheckpointIO):
         self._deferred: tuple[Callable[[], None], Callable[[], None]] | None = None
         self._deferred_hook: Any = None
         self._refuse_next_removal = False
+        self._staged: tuple[tuple[Any, ...], dict[str, tuple[int, int]]] | None = None
         self.skipped_saves = 0
         self._unpolled: deque[WriteResult] = deque(maxlen=1024)
         self.last_save: WriteResult | None = None
@@ -231,6 +251,15 @@ class ShardedCheckpointIO(CheckpointIO):
                 return
             self._worker.ensure_started()  # detects a dead writer (its error is reported next)
             self._report(self._worker.take_errors())
+            prepared = _prepare(checkpoint, self.max_shard_size)
+            fingerprint = _fingerprint(prepared.plan)
+            if fingerprint is not None and self._staged is not None and self._staged[0] == fingerprint:
+                # A second save of the very same tensors (top-k file, then last.ckpt, in one
+                # step): the pool already holds these bytes, and nothing overwrites it while the
+                # writer has jobs. Only the (small) metadata differs.
+                self._submit(prepared, path, self._staged[1])
+                self.last_stall_seconds = time.perf_counter() - start
+                return
             if self._worker.busy:
                 if self.when_busy == "skip":
                     self.skipped_saves += 1
@@ -244,27 +273,34 @@ class ShardedCheckpointIO(CheckpointIO):
                 self._worker.wait()
                 self._report(self._worker.take_errors())
             self._refuse_next_removal = False
-            self._stage_and_submit(_prepare(checkpoint, self.max_shard_size), path)
+            self._staged = None  # the pool is about to be overwritten
+            self._stage_and_submit(prepared, path, fingerprint)
             self.last_stall_seconds = time.perf_counter() - start
 
-    def _stage_and_submit(self, prepared: _Prepared, path: str) -> None:
-        payload = {
+    def _payload(self, prepared: _Prepared) -> dict[str, Any]:
+        return {
             "plan": prepared.plan.without_data(),
             "metadata": prepared.metadata,
             "created_by": _created_by(),
             "global_step": prepared.global_step,
             "epoch": prepared.epoch,
         }
+
+    def _submit(self, prepared: _Prepared, path: str, images: dict[str, tuple[int, int]]) -> None:
+        pool = (self._pool.fd, self._pool.generation)
+        self._worker.submit("save", path, {**self._payload(prepared), "images": images}, pool=pool)
+
+    def _stage_and_submit(self, prepared: _Prepared, path: str, fingerprint: tuple[Any, ...] | None) -> None:
         image_layout, headers = staging.layout(prepared.plan)
         cap = self._pool.max_bytes
         if cap is not None and image_layout.nbytes > cap:
-            self._stage_in_chunks(prepared, path, payload, image_layout, headers, cap)
+            self._stage_in_chunks(prepared, path, self._payload(prepared), image_layout, headers, cap)
             return
         ready = self._pool.stage(prepared.plan, image_layout, headers)
+        self._staged = None if fingerprint is None else (fingerprint, image_layout.images)
 
         def submit() -> None:
-            pool = (self._pool.fd, self._pool.generation)
-            self._worker.submit("save", path, {**payload, "images": image_layout.images}, pool=pool)
+            self._submit(prepared, path, image_layout.images)
 
         if ready is None:
             submit()
@@ -305,6 +341,23 @@ class ShardedCheckpointIO(CheckpointIO):
             )
         self._pool.reserve(cap)
         ring = staging.Ring(cap)
+        try:
+            self._stage_ring(prepared, path, payload, image_layout, headers, ring)
+        except BaseException:
+            # Interrupted mid-job (Ctrl-C, a device error): the writer waits for shards that will
+            # never come. End it; its job fails and nothing is committed.
+            self._worker.abort()
+            raise
+
+    def _stage_ring(
+        self,
+        prepared: _Prepared,
+        path: str,
+        payload: dict[str, Any],
+        image_layout: staging.ImageLayout,
+        headers: dict[str, Any],
+        ring: staging.Ring,
+    ) -> None:
         job_id: int | None = None
         for shard in prepared.plan.shards:
             _, size = image_layout.images[shard.filename]
@@ -356,9 +409,14 @@ class ShardedCheckpointIO(CheckpointIO):
                 self._refuse_next_removal = False
                 warnings.warn(f"Kept {path!r}: the save that would have replaced it was skipped.", stacklevel=2)
                 return
-            if self.async_save and self._worker.busy:
-                self._worker.submit("remove", path, {})
-                return
+            if self.async_save:
+                replacing = self._worker.last_save_id
+                if self._worker.save_failed(replacing):
+                    warnings.warn(f"Kept {path!r}: the save that would have replaced it failed.", stacklevel=2)
+                    return
+                if self._worker.busy:  # runs after that save, and only if it committed
+                    self._worker.submit("remove", path, {"after": replacing})
+                    return
         remove_checkpoint(path)
 
     def wait(self) -> None:
@@ -377,6 +435,7 @@ class ShardedCheckpointIO(CheckpointIO):
                 self._worker.stop()
                 self._report(self._worker.take_errors())
             finally:
+                self._staged = None
                 self._pool.close()
                 self._writer.close()
 
@@ -393,6 +452,9 @@ class ShardedCheckpointIO(CheckpointIO):
         raise errors[0]
 
     def _collect_results(self) -> None:
+        kept, self._worker.kept = self._worker.kept, []
+        for path in kept:
+            warnings.warn(f"Kept {path!r}: the save that would have replaced it failed.", stacklevel=3)
         results, self._worker.results = self._worker.results, []
         for r in results:
             # seconds: from save_checkpoint's hand-off until the checkpoint was committed and durable
@@ -413,7 +475,7 @@ class ShardedCheckpointIO(CheckpointIO):
         # Spawn-based strategies pickle the plugin: ship the configuration, not locks, buffers or processes.
         state = self.__dict__.copy()
         state["_lock"] = None
-        state["_deferred"] = state["_deferred_hook"] = None
+        state["_deferred"] = state["_deferred_hook"] = state["_staged"] = None
         state["_writer"] = ShardWriter(self._writer.chunk_bytes, self._writer.direct_io)
         state["_pool"] = StagingPool(self._pool.max_bytes)
         state["_worker"] = WriterProcess(self._worker.config)
@@ -434,7 +496,10 @@ _live_instances: weakref.WeakSet[ShardedCheckpointIO] = weakref.WeakSet()
 def _finish_in_flight_saves() -> None:
     for io in list(_live_instances):
         try:
+            io._flush_deferred()  # a save still waiting for its device copies
             io._worker.stop()
+            for error in io._worker.take_errors():
+                warnings.warn(str(error), stacklevel=1)
         except Exception:  # exiting anyway; the next run cleans any temporary directory
             io._worker.kill()
 

@@ -16,6 +16,7 @@ A directory without a valid manifest is not a checkpoint. Readers refuse a newer
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -133,15 +134,14 @@ def parse_header(prefix: bytes, file_size: int, where: str) -> tuple[int, dict[s
             code, shape, (begin, end) = value["dtype"], tuple(value["shape"]), value["data_offsets"]
             ok = (
                 code in _ITEMSIZE
-                and all(isinstance(n, int) and n >= 0 for n in shape)
-                and isinstance(begin, int)
-                and isinstance(end, int)
+                and len(shape) <= 64
+                and all(type(n) is int and n >= 0 for n in shape)
+                and type(begin) is int
+                and type(end) is int
                 and 0 <= begin <= end <= data_size
             )
-            numel = 1
-            for n in shape:
-                numel *= n
-            ok = ok and numel * _ITEMSIZE[code] == end - begin
+            # Only now multiply: the checks above bound every factor (no huge intermediate values).
+            ok = ok and math.prod(shape) * _ITEMSIZE[code] == end - begin
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
@@ -234,9 +234,9 @@ class Manifest:
                 tensors=[TensorRecord(**t) for t in body.pop("tensors")],
                 **body,
             )
-        except (TypeError, AttributeError, KeyError) as err:
+            manifest._validate(corrupt)
+        except (TypeError, AttributeError, KeyError, ValueError) as err:
             raise corrupt(f"manifest does not match format version {version} ({err})") from err
-        manifest._validate(corrupt)
         return manifest
 
     def _validate(self, corrupt: Any) -> None:
@@ -251,12 +251,19 @@ class Manifest:
             for name in files:
                 if name not in self.files:
                     raise corrupt(f"component {component!r} names {name!r}, which is not listed in the manifest")
+        def ints(values: Any, minimum: int) -> bool:
+            return isinstance(values, list) and len(values) <= 64 and all(type(v) is int and v >= minimum for v in values)
+
         for i, t in enumerate(self.tensors):
-            if t.file not in self.files:
+            if not isinstance(t.file, str) or t.file not in self.files:
                 raise corrupt(f"tensor {i} names file {t.file!r}, which is not listed in the manifest")
-            dtype = getattr(torch, t.dtype, None)
+            dtype = getattr(torch, t.dtype, None) if isinstance(t.dtype, str) else None
             if not isinstance(dtype, torch.dtype):
                 raise corrupt(f"tensor {i} has unknown dtype {t.dtype!r}")
+            if not ints(t.shape, 0) or (t.stride is not None and not ints(t.stride, 0)) or (
+                t.byte_offset is not None and (type(t.byte_offset) is not int or t.byte_offset < 0)
+            ):
+                raise corrupt(f"tensor {i} has an invalid shape, stride or offset")
 
 
 def _canonical(body: dict[str, Any]) -> bytes:

@@ -402,7 +402,10 @@ def _dedupe(found: list[tuple[torch.Tensor, str, tuple[Any, ...]]]) -> tuple[lis
             continue
         # Partially overlapping views: store the covering span once; each tensor is a strided view.
         if first:
-            lo = min(_byte_extent(found[j][0])[0] for j in cluster)
+            # Start the span at a multiple of every member's element size, so each view's offset
+            # into it is a whole number of its elements (the storage itself starts aligned).
+            widest = max(found[j][0].element_size() for j in cluster)
+            lo = min(_byte_extent(found[j][0])[0] for j in cluster) // widest * widest
             hi = max(_byte_extent(found[j][0])[1] for j in cluster)
             dtypes = {found[j][0].dtype for j in cluster}
             span_dtype = dtypes.pop() if len(dtypes) == 1 else torch.uint8

@@ -272,7 +272,8 @@ def load(
 
     try:
         return decode_tree(tree, tensor, unpickle)
-    except (ValueError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, IndexError) as err:
+        # RuntimeError includes RecursionError (absurd nesting) and torch's errors on bad views.
         raise CorruptCheckpointError(f"{path!r}: {manifest.metadata_file!r} is malformed ({err}).", path) from err
 
 

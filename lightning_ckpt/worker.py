@@ -87,6 +87,9 @@ class WriterProcess:
         self._jobs: dict[int, _Job] = {}
         self._errors: list[CheckpointWriteError] = []
         self._shards_written: deque[int] = deque()  # job id per shard written, in order
+        self.last_save_id: int | None = None
+        self._failed_saves: set[int] = set()
+        self.kept: list[str] = []  # removals the writer skipped because the replacing save failed
         self.results: list[dict[str, Any]] = []  # completed saves, oldest first (the caller trims)
 
     @property
@@ -130,6 +133,8 @@ class WriterProcess:
         job_id = self._next_id
         self._next_id += 1
         self._jobs[job_id] = _Job(kind, path)
+        if kind == "save":
+            self.last_save_id = job_id
         try:
             _send(self._sock, {"kind": kind, "id": job_id, "path": path, **payload}, fds)
         except OSError:
@@ -204,10 +209,14 @@ class WriterProcess:
                     return
                 continue
             job = self._jobs.pop(message["id"], None)
-            if message["status"] == "ok":
+            if message["status"] == "kept":
+                self.kept.append(message["path"])
+            elif message["status"] == "ok":
                 if job is not None and job.kind == "save":
                     self.results.append({**message["result"], "path": job.path, "submitted": job.submitted})
             else:
+                if job is not None and job.kind == "save":
+                    self._failed_saves.add(message["id"])
                 self._errors.append(
                     CheckpointWriteError(
                         f"Background {job.kind if job else 'job'} of checkpoint {message['path']!r} failed:"
@@ -227,8 +236,9 @@ class WriterProcess:
                 self._proc.kill()
                 code = self._proc.wait()
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-        for job in self._jobs.values():
+        for job_id, job in self._jobs.items():
             if job.kind == "save":
+                self._failed_saves.add(job_id)
                 self._errors.append(
                     CheckpointWriteError(
                         f"The checkpoint writer process {how} while writing {job.path!r}; that checkpoint was"
@@ -260,6 +270,17 @@ class WriterProcess:
                 self._proc.wait()
         self._close_socket()
         self._proc = None
+
+    def save_failed(self, job_id: int | None) -> bool:
+        """Whether save ``job_id`` failed (as far as is known now)."""
+        self._collect(block=False)
+        return job_id in self._failed_saves
+
+    def abort(self) -> None:
+        """Kill the child mid-job (staging was interrupted): its jobs fail, nothing is committed."""
+        self.kill()
+        if self._proc is not None:
+            self._died()
 
     def kill(self) -> None:
         """End the child at once (tests, and interpreter exit with saves still queued)."""
@@ -302,6 +323,7 @@ def _serve(sock: socket.socket) -> None:
     writer: ShardWriter | None = None
     pool: mmap.mmap | None = None
     backlog: deque[tuple[dict[str, Any], list[int]]] = deque()
+    failed: set[int] = set()  # save jobs that failed: removals waiting on them are skipped
     while True:
         try:
             message, fds = backlog.popleft() if backlog else _recv(sock)
@@ -343,13 +365,18 @@ def _serve(sock: socket.socket) -> None:
                     "durable_at": time.time(),
                 }
             elif kind == "remove":
-                remove_checkpoint(message["path"])
+                if message.get("after") in failed:
+                    reply["status"] = "kept"  # the checkpoint meant to replace it was not committed
+                else:
+                    remove_checkpoint(message["path"])
             else:
                 raise ValueError(f"unknown job {kind!r}")
         except EOFError:
             return  # the training process died mid-save; the temporary directory is gone already
         except Exception as err:  # reported to the training process, raised there once
             reply.update(status="error", error=f"{type(err).__name__}: {err}")
+            if kind == "save":
+                failed.add(message["id"])
         _send(sock, reply)
 
 

@@ -16,6 +16,7 @@ the next save into the same folder. Nothing here imports Lightning.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -127,6 +128,7 @@ class ShardWriter:
                 for piece in _byte_pieces(header, blobs, self.chunk_bytes):
                     while piece.numel():
                         if stop.is_set():
+                            filled.put(None)  # end the stream, so the hasher (and join) finish
                             return
                         n = min(piece.numel(), self.chunk_bytes - used)
                         # Host bytes: one single-threaded memmove (GIL released). torch's copy_
@@ -313,15 +315,27 @@ _AT_FDCWD = -100
 _libc: Any = None
 
 
+_SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276, "ppc64le": 357, "s390x": 347}
+
+
 def _renameat2(src: str, dst: str, flags: int) -> bool:
-    """``renameat2``; False when the kernel or filesystem does not support ``flags``."""
+    """``renameat2``; False when the kernel or filesystem does not support ``flags``.
+
+    Called through ``syscall`` where the number is known, so an old glibc without the wrapper
+    (before 2.28) still gets the atomic exchange.
+    """
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    func = getattr(_libc, "renameat2", None)
-    if func is None:
+    number = _SYS_RENAMEAT2.get(os.uname().machine)
+    args = (_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags)
+    if number is not None:
+        result = _libc.syscall(number, *args)
+    elif getattr(_libc, "renameat2", None) is not None:
+        result = _libc.renameat2(*args)
+    else:
         return False
-    if func(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+    if result == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
@@ -329,29 +343,44 @@ def _renameat2(src: str, dst: str, flags: int) -> bool:
     raise OSError(err, os.strerror(err), dst)
 
 
+class CommittedError(OSError):
+    """The new checkpoint is in place, but a step after the rename (the parent fsync) failed."""
+
+
 def commit(tmp: str, target: str) -> None:
-    """Atomically move the finished directory ``tmp`` to ``target``, replacing what is there."""
+    """Atomically move the finished directory ``tmp`` to ``target``, replacing what is there.
+
+    Raises ``CommittedError`` if the rename happened and a later step failed; any other error
+    means ``target`` is as it was.
+    """
     parent = os.path.dirname(target) or "."
+    replaced = None
     if os.path.lexists(target):
         if _renameat2(tmp, target, _RENAME_EXCHANGE):
             replaced = tmp
         else:
-            # No RENAME_EXCHANGE here: the old checkpoint is moved aside (still complete, under a
-            # hidden name that the next save cleans up) and the new one renamed into place.
+            # No RENAME_EXCHANGE here: the old checkpoint is moved aside (still complete; if we
+            # die now, the next save's cleanup moves it back) and the new one renamed into place.
             replaced = tmp + ".old"
             os.rename(target, replaced)
-            os.rename(tmp, target)
+            try:
+                os.rename(tmp, target)
+            except BaseException:
+                os.rename(replaced, target)  # put the old checkpoint back
+                raise
+    elif not _renameat2(tmp, target, _RENAME_NOREPLACE):
+        os.rename(tmp, target)
+    try:
         fsync_dir(parent)
-        # Committed. Failing to delete the replaced checkpoint must not fail the save: it sits
-        # under a hidden temporary name that the next save into this folder removes.
+    except OSError as err:
+        raise CommittedError(err.errno, f"committed, but fsync of {parent!r} failed: {err.strerror}") from err
+    # Committed. Failing to delete the replaced checkpoint must not fail the save: it sits under
+    # a hidden temporary name that the next save into this folder removes.
+    if replaced is not None:
         try:
             _remove(replaced)
         except OSError:
             pass
-    else:
-        if not _renameat2(tmp, target, _RENAME_NOREPLACE):
-            os.rename(tmp, target)
-        fsync_dir(parent)
 
 
 def _remove(path: str) -> None:
@@ -373,7 +402,7 @@ def _remove(path: str) -> None:
 class TempDir:
     """The locked temporary directory a save writes into (see the module docstring)."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, make_dir: bool = True) -> None:
         parent, name = os.path.split(target)
         self.parent = parent or "."
         while True:
@@ -388,17 +417,35 @@ class TempDir:
             if os.path.exists(self.lock_path) and os.fstat(self._lock_fd).st_ino == os.stat(self.lock_path).st_ino:
                 break
             os.close(self._lock_fd)
-        os.mkdir(self.path)
+        if make_dir:
+            os.mkdir(self.path)
 
     def release(self, remove: bool) -> None:
         if remove:
             _remove(self.path)
-            _remove(self.path + ".old")
+            _restore_or_remove_aside(self.path + ".old")
         try:
             os.unlink(self.lock_path)
         except FileNotFoundError:
             pass
         os.close(self._lock_fd)
+
+
+def _target_of(temporary: str) -> str:
+    """``.<name>.lckpt-tmp-<pid>-<token>[.old|-removing]`` -> ``<name>`` in the same folder."""
+    folder, name = os.path.split(temporary)
+    return os.path.join(folder, name[1:].split(TMP_MARKER, 1)[0])
+
+
+def _restore_or_remove_aside(aside: str) -> None:
+    """A checkpoint moved aside by the two-rename fallback: put it back if its name is free."""
+    if not os.path.lexists(aside):
+        return
+    target = _target_of(aside)
+    if not os.path.lexists(target) and os.path.exists(os.path.join(aside, fmt.MANIFEST_FILE)):
+        os.rename(aside, target)
+    else:
+        _remove(aside)
 
 
 def clean_stale(folder: str) -> list[str]:
@@ -414,22 +461,19 @@ def clean_stale(folder: str) -> list[str]:
         path = os.path.join(folder, name)
         lock_path = (path[: -len(".old")] if name.endswith(".old") else path) + ".lock"
         try:
-            fd = os.open(lock_path, os.O_RDWR)
-        except FileNotFoundError:
-            fd = None  # its writer finished or died after removing the lock: stale
-        if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue  # a live save holds it
-            # Keep holding the lock while deleting so no writer can reuse the name.
-            _remove(path)
-            _remove(lock_path)
-            os.close(fd)
-        else:
-            _remove(path)
-        removed.append(path)
+            with _held_lock(lock_path) as held:
+                if held is False:
+                    continue  # a live save holds it
+                # Holding the lock (or there is none): no writer can be using this name.
+                if name.endswith(".old"):
+                    _restore_or_remove_aside(path)
+                else:
+                    _remove(path)
+                if held:
+                    _remove(lock_path)
+            removed.append(path)
+        except OSError:
+            continue  # best effort (e.g. another user's leftovers): never fail a save over it
     # Lock files whose directory is gone and whose holder died.
     for name in names:
         if TMP_MARKER in name and name.endswith(".lock"):
@@ -437,13 +481,31 @@ def clean_stale(folder: str) -> list[str]:
             if os.path.exists(lock_path[: -len(".lock")]):
                 continue
             try:
-                fd = os.open(lock_path, os.O_RDWR)
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except (FileNotFoundError, BlockingIOError):
+                with _held_lock(lock_path) as held:
+                    if held:
+                        _remove(lock_path)
+            except OSError:
                 continue
-            _remove(lock_path)
-            os.close(fd)
     return removed
+
+
+@contextlib.contextmanager
+def _held_lock(lock_path: str) -> Iterator[bool | None]:
+    """Try to take ``lock_path``: True (taken), False (held by a live process), None (no file)."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR)
+    except FileNotFoundError:
+        yield None
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
 
 
 def write_checkpoint(
@@ -479,7 +541,7 @@ def write_checkpoint(
     tmp = None
     try:
         tmp = TempDir(target)
-        direct = shard_writer.use_direct(tmp.path)
+        direct = shard_writer.use_direct(parent)  # probed once per folder
         files: dict[str, fmt.FileRecord] = {}
         file_of_blob = plan.file_of_blob()
         weight_map: dict[str, str] = {}
@@ -534,6 +596,10 @@ def write_checkpoint(
     except BaseException as err:
         if tmp is not None:
             tmp.release(remove=True)
+        if isinstance(err, CommittedError):
+            raise CheckpointWriteError(
+                f"Checkpoint {target!r} was committed, but its durability is not guaranteed: {err}", target
+            ) from err
         if isinstance(err, (OSError, RuntimeError)):
             raise CheckpointWriteError(
                 f"Saving checkpoint {target!r} failed: {err}. Nothing was committed; any checkpoint"

@@ -271,3 +271,77 @@ def test_rate_capped_writer_writes_the_same_bytes(tmp_path):
     lc.verify_checkpoint(tmp_path / "capped.ckpt")
     with pytest.raises(ValueError, match="max_write_rate"):
         lc.ShardedCheckpointIO(async_save=True, max_write_rate="fast")
+
+
+def test_a_failed_save_never_removes_the_checkpoint_it_replaces(async_io, tmp_path):
+    async_io.save_checkpoint(_state(), tmp_path / "old.ckpt")
+    async_io.wait()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    # Removal requested while the failing save may still be in flight: queued behind it, skipped.
+    async_io.save_checkpoint(_state(scale=20), blocker / "new.ckpt")
+    async_io.remove_checkpoint(tmp_path / "old.ckpt")
+    with pytest.raises(lc.CheckpointWriteError), pytest.warns(UserWarning, match="Kept"):
+        async_io.wait()
+    assert (tmp_path / "old.ckpt").exists()
+    # Removal requested once the failure is known: refused.
+    async_io.save_checkpoint(_state(), blocker / "again.ckpt")
+    async_io._worker.wait()
+    with pytest.warns(UserWarning, match="Kept"):
+        async_io.remove_checkpoint(tmp_path / "old.ckpt")
+    assert (tmp_path / "old.ckpt").exists()
+    lc.verify_checkpoint(tmp_path / "old.ckpt")
+    with pytest.raises(lc.CheckpointWriteError):
+        async_io.wait()
+
+
+def test_second_save_of_the_same_step_reuses_the_staged_bytes(async_io, tmp_path, monkeypatch):
+    state = _state(scale=20)
+    async_io.save_checkpoint(state, tmp_path / "epoch=0-step=4.ckpt")
+    staged = []
+    monkeypatch.setattr(async_io._pool, "stage", lambda *a: staged.append(a))
+    monkeypatch.setattr(async_io._worker, "wait", lambda: pytest.fail("the second save waited"))
+    state["epoch"] = 0  # the metadata of the second save differs, its tensors do not
+    async_io.save_checkpoint(state, tmp_path / "last.ckpt")  # what save_last does in the same step
+    assert staged == []
+    monkeypatch.undo()
+    async_io.wait()
+    a = lc.load_checkpoint(tmp_path / "epoch=0-step=4.ckpt", verify=True)
+    b = lc.load_checkpoint(tmp_path / "last.ckpt", verify=True)
+    assert torch.equal(a["state_dict"]["big"], b["state_dict"]["big"]) and b["epoch"] == 0 and "epoch" not in a
+    # An in-place change in between (an optimizer step) makes the next save stage again.
+    state["state_dict"]["big"].add_(1)
+    async_io.save_checkpoint(state, tmp_path / "after.ckpt")
+    async_io.wait()
+    assert torch.equal(lc.load_checkpoint(tmp_path / "after.ckpt")["state_dict"]["big"], state["state_dict"]["big"])
+
+
+def test_interrupted_chunked_save_does_not_hang_teardown(tmp_path, monkeypatch):
+    import threading
+
+    io = lc.ShardedCheckpointIO(async_save=True, max_shard_size="300KB", staging_pool_size="1MB")
+    state = {"state_dict": {f"w{i}": torch.randn(64_000) for i in range(12)}}
+    calls = []
+    original = io._pool.stage_shard
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        original(*args)
+
+    monkeypatch.setattr(io._pool, "stage_shard", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint(state, tmp_path / "x.ckpt")
+    done = threading.Event()
+
+    def teardown():
+        try:
+            io.teardown()
+        except lc.CheckpointWriteError:
+            pass  # the interrupted save is reported as failed
+        done.set()
+
+    threading.Thread(target=teardown, daemon=True).start()
+    assert done.wait(60), "teardown hung after an interrupted save"
+    assert not (tmp_path / "x.ckpt").exists()

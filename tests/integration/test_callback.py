@@ -157,3 +157,17 @@ def test_time_trigger_saves_and_resumes_its_state(tmp_path):
     assert 2 <= len(kept) < 10 * STEPS_PER_EPOCH / 3, kept  # saved by time (~every 0.8 s), not every step
     state = lc.load_checkpoint(tmp_path / kept[-1])["callbacks"]
     assert callback.state_key in state
+
+
+def test_two_callbacks_sharing_a_folder_keep_what_two_model_checkpoints_keep(tmp_path):
+    def run(cls, folder):
+        seed_everything(0)
+        every = cls(dirpath=folder, every_n_train_steps=2, save_top_k=-1)
+        best = cls(dirpath=folder, every_n_train_steps=2, save_top_k=1, monitor="train_loss")
+        trainer = Trainer(max_epochs=2, callbacks=[every, best], plugins=[lc.ShardedCheckpointIO()], **trainer_kwargs())
+        trainer.fit(TinyRegressor())
+
+    run(ModelCheckpoint, tmp_path / "stock")
+    run(lc.ShardedModelCheckpoint, tmp_path / "ours")
+    assert _kept(tmp_path / "ours") == _kept(tmp_path / "stock")
+    assert any(name.endswith("-v1.ckpt") for name in _kept(tmp_path / "ours"))  # the version counter saw the sibling's file

@@ -290,3 +290,114 @@ def test_bad_arguments_are_named():
         lc.ShardedCheckpointIO(buffer_size="big")
     with pytest.raises(TypeError, match="must be a dict"):
         lc.save_checkpoint([1, 2], "x.ckpt")  # type: ignore[arg-type]
+
+
+def test_a_write_error_mid_shard_raises_instead_of_hanging(tmp_path, monkeypatch):
+    import threading
+
+    from lightning_ckpt import writer
+
+    calls = []
+    original = writer._write_all
+
+    def failing(fd, data):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        original(fd, data)
+
+    monkeypatch.setattr(writer, "_write_all", failing)
+    outcome = []
+
+    def save():
+        try:
+            lc.ShardedCheckpointIO(buffer_size="64KiB").save_checkpoint(
+                {"state_dict": {"w": torch.randn(1_000_000)}}, tmp_path / "x.ckpt"
+            )
+        except lc.CheckpointWriteError as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=save, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the save hung after a write error"
+    assert outcome and "No space left" in str(outcome[0])
+    assert os.listdir(tmp_path) == []
+
+
+def test_fallback_commit_puts_the_old_checkpoint_back_when_the_second_rename_fails(tmp_path, monkeypatch):
+    from lightning_ckpt import writer
+
+    path = _save(tmp_path, "last.ckpt")
+    before = lc.load_checkpoint(path)["state_dict"]["w"].clone()
+    monkeypatch.setattr(writer, "_renameat2", lambda *args: False)  # e.g. NFS: no RENAME_EXCHANGE
+    real_rename, renames = os.rename, []
+
+    def rename(src, dst):
+        renames.append((src, dst))
+        if len(renames) == 2:  # target moved aside; now fail to move the new one in
+            raise OSError(5, "Input/output error")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(lc.CheckpointWriteError):
+        lc.save_checkpoint({"state_dict": {"w": torch.zeros(64)}}, path)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert os.listdir(tmp_path) == ["last.ckpt"]
+    assert torch.equal(lc.load_checkpoint(path, verify=True)["state_dict"]["w"], before)
+
+
+def test_a_checkpoint_moved_aside_by_a_crash_is_restored_not_deleted(tmp_path):
+    path = _save(tmp_path, "last.ckpt")
+    aside = tmp_path / f".last.ckpt{TMP_MARKER}4242-dead.old"
+    os.rename(path, aside)  # what a crash between the fallback's two renames leaves
+    _save(tmp_path, "other.ckpt")  # any later save into the folder cleans up
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "other.ckpt"]
+    lc.verify_checkpoint(tmp_path / "last.ckpt")
+
+
+def test_views_of_different_dtypes_sharing_bytes_roundtrip(tmp_path):
+    base = torch.arange(16, dtype=torch.float32)
+    state = {"state_dict": {"a": base[1:], "b": base.view(torch.uint8)[1:]}}
+    path = tmp_path / "v.ckpt"
+    lc.save_checkpoint(state, path)
+    out = lc.load_checkpoint(path, verify=True)["state_dict"]
+    assert torch.equal(out["a"], state["state_dict"]["a"]) and torch.equal(out["b"], state["state_dict"]["b"])
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m.update(components=["model"]),
+        lambda m: m.update(metadata_file=["metadata.json"]),
+        lambda m: m["tensors"][0].update(dtype=7),
+        lambda m: m["tensors"][0].update(shape=[10**6] * 100),
+        lambda m: m["tensors"][0].update(stride=[-1]),
+        lambda m: m["tensors"][0].update(file=["x"]),
+    ],
+    ids=["components-list", "metadata-list", "dtype-int", "shape-huge", "stride-negative", "file-list"],
+)
+def test_malformed_manifest_fields_give_a_typed_error(tmp_path, edit):
+    path = _save(tmp_path)
+    _rewrite_manifest(path, edit)
+    with pytest.raises(lc.CorruptCheckpointError):
+        lc.load_checkpoint(path)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [{"$device": "bogus"}, {"$map": [], "attrs": {"x": 1}}, {"$tensor": 99}, {"$unknown": 1}],
+    ids=["device", "attrs-on-dict", "tensor-id", "tag"],
+)
+def test_malformed_metadata_gives_a_typed_error(tmp_path, value):
+    path = _save(tmp_path)
+    data = json.dumps({"epoch": value}).encode()
+    with open(os.path.join(path, "metadata.json"), "wb") as f:
+        f.write(data)
+
+    def edit(m):
+        m["files"]["metadata.json"] = {"size": len(data), "crc32": fmt.format_checksum(fmt.checksum(data))}
+
+    _rewrite_manifest(path, edit)
+    with pytest.raises(lc.CorruptCheckpointError):
+        lc.load_checkpoint(path)
