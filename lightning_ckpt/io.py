@@ -341,45 +341,36 @@ class ShardedCheckpointIO(CheckpointIO):
             )
         self._pool.reserve(cap)
         ring = staging.Ring(cap)
+        job_id: int | None = None
         try:
-            self._stage_ring(prepared, path, payload, image_layout, headers, ring)
+            for shard in prepared.plan.shards:
+                _, size = image_layout.images[shard.filename]
+                start = ring.alloc(staging.aligned(size))
+                while start is None:
+                    if job_id is None or not self._worker.wait_shard_written(job_id):
+                        # The writer ended the job (failed or died): report it now, per `on_error`.
+                        errors = self._worker.take_errors()
+                        ended = CheckpointWriteError(f"Saving {path!r} stopped: the writer ended the job.", path)
+                        self._report(errors or [ended])
+                        return
+                    ring.free_oldest()
+                    start = ring.alloc(staging.aligned(size))
+                self._pool.stage_shard(shard, headers[shard.filename], start)
+                ready = self._pool.copies_done()
+                if ready is not None:
+                    ready()  # the writer reads this region next
+                images = {shard.filename: (start, size)}
+                if job_id is None:
+                    pool = (self._pool.fd, self._pool.generation)
+                    job_id = self._worker.submit("save", path, {**payload, "images": images, "chunked": True}, pool=pool)
+                else:
+                    self._worker.send_images(job_id, images)
         except BaseException:
-            # Interrupted mid-job (Ctrl-C, a device error): the writer waits for shards that will
-            # never come. End it; its job fails and nothing is committed.
+            # Interrupted mid-job (Ctrl-C, a device error, the writer's own failure raised
+            # above): the writer may wait for shards that will never come. End it; its job fails
+            # and nothing is committed.
             self._worker.abort()
             raise
-
-    def _stage_ring(
-        self,
-        prepared: _Prepared,
-        path: str,
-        payload: dict[str, Any],
-        image_layout: staging.ImageLayout,
-        headers: dict[str, Any],
-        ring: staging.Ring,
-    ) -> None:
-        job_id: int | None = None
-        for shard in prepared.plan.shards:
-            _, size = image_layout.images[shard.filename]
-            start = ring.alloc(staging.aligned(size))
-            while start is None:
-                if job_id is None or not self._worker.wait_shard_written(job_id):
-                    # The writer ended the job (it failed or died): report it now, per `on_error`.
-                    errors = self._worker.take_errors()
-                    self._report(errors or [CheckpointWriteError(f"Saving {path!r} stopped: the writer ended the job.", path)])
-                    return
-                ring.free_oldest()
-                start = ring.alloc(staging.aligned(size))
-            self._pool.stage_shard(shard, headers[shard.filename], start)
-            ready = self._pool.copies_done()
-            if ready is not None:
-                ready()  # the writer reads this region next
-            if job_id is None:
-                pool = (self._pool.fd, self._pool.generation)
-                images = {shard.filename: (start, size)}
-                job_id = self._worker.submit("save", path, {**payload, "images": images, "chunked": True}, pool=pool)
-            else:
-                self._worker.send_images(job_id, {shard.filename: (start, size)})
 
     @override
     def load_checkpoint(
