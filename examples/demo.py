@@ -13,12 +13,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
 from rich.console import Console
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_ckpt
-from lightning_ckpt import ShardedCheckpointIO, load_checkpoint, load_from_checkpoint
+from lightning_ckpt import ShardedCheckpointIO, ShardedModelCheckpoint, load_checkpoint, load_from_checkpoint
 from lightning_ckpt.cli import main as cli
 
 console = Console()
@@ -52,20 +51,6 @@ class Regressor(LightningModule):
         return DataLoader(TensorDataset(x, x.sin().sum(1, keepdim=True)), batch_size=128)
 
 
-class ReportingIO(ShardedCheckpointIO):
-    """Prints one line per save (the plugin records each save in ``last_save``)."""
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        super().save_checkpoint(checkpoint, path, storage_options)
-        r = self.last_save
-        assert r is not None
-        console.print(
-            f"  saved [bold]{os.path.basename(r.path)}[/bold]: {r.nbytes / 1e6:.0f} MB in {r.files} files,"
-            f" durable in {r.seconds:.2f} s ({r.nbytes / r.seconds / 1e9:.2f} GB/s,"
-            f" {'O_DIRECT' if r.direct_io else 'buffered'})"
-        )
-
-
 def trainer(max_epochs: int) -> Trainer:
     return Trainer(
         max_epochs=max_epochs,
@@ -73,10 +58,11 @@ def trainer(max_epochs: int) -> Trainer:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        plugins=[ReportingIO(max_shard_size="20MB")],
+        plugins=[ShardedCheckpointIO(max_shard_size="20MB")],
         callbacks=[
-            ModelCheckpoint(
-                dirpath=OUT, every_n_train_steps=8, save_top_k=2, monitor="train_loss", save_last=True
+            # A line per save (stall, bytes, durable time, memory) and a summary table at the end.
+            ShardedModelCheckpoint(
+                dirpath=OUT, every_n_train_steps=8, save_top_k=2, monitor="train_loss", save_last=True, verbose=True
             )
         ],
     )
@@ -87,7 +73,8 @@ def main() -> None:
     seed_everything(0)
     console.rule(f"lightning_ckpt {lightning_ckpt.__version__}: training 2 epochs, a checkpoint every 8 steps")
     trainer(2).fit(Regressor())
-    console.print(f"checkpoints kept in {OUT}: {sorted(os.listdir(OUT))} (top-2 by train_loss + last)")
+    kept = sorted(n for n in os.listdir(OUT) if n.endswith(".ckpt"))
+    console.print(f"checkpoints kept in {OUT}: {kept} (top-2 by train_loss + last)")
 
     console.rule("what a checkpoint directory holds")
     last = os.path.join(OUT, "last.ckpt")
