@@ -16,10 +16,11 @@ import mmap
 import os
 import pickle
 import queue
+import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 import torch
 
@@ -34,20 +35,70 @@ from lightning_ckpt.plan import contiguous_strides, decode_tree, format_key_path
 
 MapLocation = Union[None, str, torch.device, dict[str, str], Callable[..., Any]]
 _VERIFY_CHUNK = 16 * 2**20
+_T = TypeVar("_T")
 
 
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
     return os.path.isdir(path)
 
 
+_ATTEMPTS = 3  # reads retried when the path was replaced (atomically) while being read
+
+
+class _Dir:
+    """A checkpoint directory opened once. Every file is opened relative to it, so replacing the
+    path meanwhile (the atomic exchange that saves ``last.ckpt``) can never mix two checkpoints:
+    the read sees the old one whole, or fails and is retried on the new one (``replaced``)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"Checkpoint {path!r} does not exist.", path) from None
+
+    def open(self, name: str, flags: int = os.O_RDONLY) -> int:
+        return os.open(name, flags, dir_fd=self.fd)
+
+    def read(self, name: str) -> bytes:
+        with os.fdopen(self.open(name), "rb") as f:
+            return f.read()
+
+    def replaced(self) -> bool:
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            return True
+        own = os.fstat(self.fd)
+        return (now.st_dev, now.st_ino) != (own.st_dev, own.st_ino)
+
+    def __enter__(self) -> _Dir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+
+def _retrying(path: str, read: Callable[[_Dir], _T]) -> _T:
+    for attempt in range(_ATTEMPTS):
+        with _Dir(path) as directory:
+            try:
+                return read(directory)
+            except (CorruptCheckpointError, CheckpointNotFoundError, FileNotFoundError):
+                if attempt + 1 < _ATTEMPTS and directory.replaced():
+                    continue  # a newer checkpoint took this path while we read: read that one
+                raise
+    raise AssertionError("unreachable")
+
+
 def read_manifest(path: str | os.PathLike[str]) -> fmt.Manifest:
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise CheckpointNotFoundError(f"Checkpoint {path!r} does not exist.", path)
-    manifest_path = os.path.join(path, fmt.MANIFEST_FILE)
+    return _retrying(os.fspath(path), _read_manifest)
+
+
+def _read_manifest(directory: _Dir) -> fmt.Manifest:
+    path = directory.path
     try:
-        with open(manifest_path, "rb") as f:
-            data = f.read()
+        data = directory.read(fmt.MANIFEST_FILE)
     except FileNotFoundError:
         raise CheckpointNotFoundError(
             f"{path!r} has no {fmt.MANIFEST_FILE}: it is not a committed lightning_ckpt checkpoint (an interrupted"
@@ -61,17 +112,17 @@ def read_manifest(path: str | os.PathLike[str]) -> fmt.Manifest:
         raise
 
 
-def check_structure(path: str, manifest: fmt.Manifest) -> None:
-    """Every file the manifest lists exists, is a regular file inside ``path`` and has its size."""
+def check_structure(directory: _Dir, manifest: fmt.Manifest) -> None:
+    """Every file the manifest lists exists, is a regular file inside the directory, has its size."""
+    path = directory.path
     for name, record in manifest.files.items():
-        file_path = os.path.join(path, name)
         try:
-            st = os.lstat(file_path)
+            st = os.stat(name, dir_fd=directory.fd, follow_symlinks=False)
         except FileNotFoundError:
             raise CorruptCheckpointError(
                 f"{path!r}: file {name!r} listed in the manifest is missing; the checkpoint is incomplete.", path, name
             ) from None
-        if not os.path.isfile(file_path) or os.path.islink(file_path):
+        if not stat.S_ISREG(st.st_mode):
             raise CorruptCheckpointError(f"{path!r}: {name!r} is not a regular file; refusing to read it.", path, name)
         if st.st_size != record.size:
             raise CorruptCheckpointError(
@@ -84,13 +135,17 @@ def check_structure(path: str, manifest: fmt.Manifest) -> None:
 
 def verify(path: str | os.PathLike[str]) -> fmt.Manifest:
     """Full verification: structure plus every file's crc32. Raises on the first damaged file."""
-    path = os.fspath(path)
-    manifest = read_manifest(path)
-    check_structure(path, manifest)
+    return _retrying(os.fspath(path), _verify)
+
+
+def _verify(directory: _Dir) -> fmt.Manifest:
+    path = directory.path
+    manifest = _read_manifest(directory)
+    check_structure(directory, manifest)
     buffers = [mmap.mmap(-1, _VERIFY_CHUNK) for _ in range(2)]
     try:
         for name, record in manifest.files.items():
-            crc = _file_crc32(os.path.join(path, name), buffers)
+            crc = _file_crc32(directory, name, buffers)
             if fmt.format_checksum(crc) != record.crc32:
                 raise CorruptCheckpointError(
                     f"{path!r}: checksum mismatch in {name!r} (expected {record.crc32}, found"
@@ -104,16 +159,18 @@ def verify(path: str | os.PathLike[str]) -> fmt.Manifest:
     return manifest
 
 
-def _file_crc32(file_path: str, buffers: list[mmap.mmap]) -> int:
+def _file_crc32(directory: _Dir, name: str, buffers: list[mmap.mmap]) -> int:
     """crc32 of a file: a thread reads into one aligned buffer while this one hashes the other.
 
     Reads use ``O_DIRECT`` where the filesystem allows it, so verifying a checkpoint neither
     evicts the training data from the page cache nor pays for filling it.
     """
     try:
-        fd = os.open(file_path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        fd = directory.open(name, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except FileNotFoundError:
+        raise
     except OSError:
-        fd = os.open(file_path, os.O_RDONLY)
+        fd = directory.open(name)
     ready: queue.Queue[tuple[int, int] | BaseException | None] = queue.Queue()
     free: queue.Queue[int] = queue.Queue()
     for i in range(len(buffers)):
@@ -166,9 +223,9 @@ class _Shard:
         return torch.frombuffer(self.mapped, dtype=torch.uint8, count=n, offset=self.data_start + entry.begin)
 
 
-def _open_shard(path: str, name: str) -> _Shard:
-    file_path = os.path.join(path, name)
-    with open(file_path, "rb") as f:
+def _open_shard(directory: _Dir, name: str) -> _Shard:
+    path = directory.path
+    with os.fdopen(directory.open(name), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         if len(prefix) == 8:
@@ -207,12 +264,17 @@ def load(
     verify_checksums: bool = False,
 ) -> dict[Any, Any]:
     """Load a directory checkpoint written by lightning_ckpt (see ``lightning_ckpt.load_checkpoint``)."""
-    path = os.fspath(path)
-    manifest = verify(path) if verify_checksums else read_manifest(path)
-    if not verify_checksums:
-        check_structure(path, manifest)
-    with open(os.path.join(path, manifest.metadata_file), "rb") as f:
-        metadata = f.read()
+    return _retrying(os.fspath(path), lambda d: _load(d, map_location, weights_only, verify_checksums))
+
+
+def _load(directory: _Dir, map_location: MapLocation, weights_only: bool | None, verify_checksums: bool) -> dict[Any, Any]:
+    path = directory.path
+    if verify_checksums:
+        manifest = _verify(directory)
+    else:
+        manifest = _read_manifest(directory)
+        check_structure(directory, manifest)
+    metadata = directory.read(manifest.metadata_file)
     record = manifest.files[manifest.metadata_file]
     if fmt.format_checksum(fmt.checksum(metadata)) != record.crc32:
         raise CorruptCheckpointError(
@@ -232,7 +294,7 @@ def load(
         key = (file, name, str(device))
         if key not in blobs:
             if file not in shards:
-                shards[file] = _open_shard(path, file)
+                shards[file] = _open_shard(directory, file)
             shard = shards[file]
             entry = shard.entries.get(name)
             if entry is None:

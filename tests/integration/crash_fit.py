@@ -1,0 +1,58 @@
+"""Run by test_crash.py: trains forever, saving every step, until it is SIGKILLed.
+
+argv: OUT MODE(sync|async) PIDFILE. Top-k (monitored) + save_last, so every step both writes
+new checkpoints and removes old ones. The async writer's pid goes to PIDFILE once known.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
+from models import TinyRegressor, trainer_kwargs  # noqa: E402
+
+import lightning_ckpt as lc  # noqa: E402
+
+
+class Pace(Callback):
+    def __init__(self, io: lc.ShardedCheckpointIO, pid_file: str) -> None:
+        self.io, self.pid_file = io, pid_file
+
+    def on_train_batch_end(self, *args) -> None:
+        pid = self.io._worker.pid
+        if pid is not None and not os.path.exists(self.pid_file):
+            with open(self.pid_file + ".tmp", "w") as f:
+                f.write(str(pid))
+            os.replace(self.pid_file + ".tmp", self.pid_file)
+        time.sleep(0.01)
+
+
+class Ballast(TinyRegressor):
+    """32 MB more state, so that saves take long enough for kills to land inside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ballast", torch.randn(8_000_000))
+
+    def training_step(self, batch, batch_idx):
+        self.ballast.add_(1.0)  # changes every step, like real state
+        return super().training_step(batch, batch_idx)
+
+
+def main(out: str, mode: str, pid_file: str) -> None:
+    seed_everything(0)
+    io = lc.ShardedCheckpointIO(async_save=mode == "async")
+    checkpoint = lc.ShardedModelCheckpoint(
+        dirpath=out, every_n_train_steps=1, save_top_k=2, monitor="train_loss", save_last=True, metrics_file=None
+    )
+    trainer = Trainer(max_epochs=100_000, callbacks=[checkpoint, Pace(io, pid_file)], plugins=[io], **trainer_kwargs())
+    trainer.fit(Ballast())
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,111 @@
+"""Crash consistency: SIGKILL a training process group that saves every step, at random moments.
+
+After every kill: each checkpoint visible under its final name passes full verification;
+``ckpt_path="last"`` resumes and the restored state equals the state saved at that step; the
+next run's save cleans the temporary leftovers. A quick variant runs in CI; the long one (``slow``)
+is run before a release (``pytest -m slow tests/integration/test_crash.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from crash_fit import Ballast
+from models import trainer_kwargs
+
+import lightning_ckpt as lc
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "crash_fit.py")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _kill_once(folder, mode: str, rng: random.Random) -> dict:
+    pid_file = folder / f"writer-{rng.random()}.pid"
+    proc = subprocess.Popen(
+        [sys.executable, SCRIPT, str(folder / "ckpts"), mode, str(pid_file)],
+        cwd=folder,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group, killed as a whole
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (folder / "ckpts" / "last.ckpt").exists() or (mode == "async" and not pid_file.exists()):
+            assert proc.poll() is None, "the training process died before saving"
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.5))  # a random moment: mid-write, mid-commit, mid-removal...
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    # The async writer lives in a session of its own: it finishes its current save, sees the
+    # training process gone, and exits. Wait for that before judging the folder.
+    if pid_file.exists():
+        writer = int(pid_file.read_text())
+        deadline = time.monotonic() + 60
+        while _alive(writer):
+            assert time.monotonic() < deadline, "the writer process outlived its training process"
+            time.sleep(0.05)
+    return check_folder(folder / "ckpts")
+
+
+def check_folder(ckpts) -> dict:
+    visible = sorted(n for n in os.listdir(ckpts) if not n.startswith("."))
+    assert "last.ckpt" in visible, visible
+    for name in visible:
+        lc.verify_checkpoint(ckpts / name)  # raises, naming the damaged file
+    saved = lc.load_checkpoint(ckpts / "last.ckpt")
+    step = saved["global_step"]
+    # Resume from "last" without training further: the restored weights are the saved ones.
+    model = Ballast()
+    io = lc.ShardedCheckpointIO()
+    trainer = Trainer(max_steps=step, enable_checkpointing=False, plugins=[io], **trainer_kwargs())
+    trainer.fit(model, ckpt_path=ckpts / "last.ckpt")
+    assert trainer.global_step == step
+    for key, value in saved["state_dict"].items():
+        assert torch.equal(model.state_dict()[key], value), key
+    leftovers = [n for n in os.listdir(ckpts) if n.startswith(".")]
+    # The next save into the folder removes what the crash left behind.
+    lc.save_checkpoint({"state_dict": {}}, ckpts / "after-crash.ckpt")
+    assert [n for n in os.listdir(ckpts) if n.startswith(".")] == []
+    lc.remove_checkpoint(ckpts / "after-crash.ckpt")
+    return {"step": step, "visible": len(visible), "leftovers": len(leftovers)}
+
+
+def _campaign(tmp_path, mode: str, kills: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    results = []
+    for _ in range(kills):
+        results.append(_kill_once(tmp_path, mode, rng))  # the same folder: each run meets the last one's debris
+    return results
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigkill_at_random_moments_quick(tmp_path, mode):
+    results = _campaign(tmp_path, mode, kills=2, seed=1)
+    assert all(r["visible"] >= 1 for r in results)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigkill_at_random_moments_long(tmp_path, mode):
+    results = _campaign(tmp_path, mode, kills=int(os.environ.get("LCKPT_KILLS", "25")), seed=2)
+    mid_save = sum(r["leftovers"] > 0 for r in results)
+    print(f"\n{mode}: {len(results)} kills, {mid_save} landed mid-save (left temporaries), all visible checkpoints verified, resume exact")
