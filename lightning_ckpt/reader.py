@@ -42,7 +42,7 @@ def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
     return os.path.isdir(path)
 
 
-_ATTEMPTS = 3  # reads retried when the path was replaced (atomically) while being read
+_ATTEMPTS = 20  # reads retried when the path was replaced (atomically) while being read: each retry means a newer complete checkpoint is there
 
 
 class _Dir:

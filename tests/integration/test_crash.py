@@ -34,7 +34,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _kill_once(folder, mode: str, rng: random.Random) -> dict:
+def _kill_once(folder, mode: str, rng: random.Random, committed_before: bool) -> dict:
     pid_file = folder / f"writer-{rng.random()}.pid"
     proc = subprocess.Popen(
         [sys.executable, SCRIPT, str(folder / "ckpts"), mode, str(pid_file)],
@@ -45,30 +45,41 @@ def _kill_once(folder, mode: str, rng: random.Random) -> dict:
     )
     try:
         deadline = time.monotonic() + 120
-        while not (folder / "ckpts" / "last.ckpt").exists() or (mode == "async" and not pid_file.exists()):
+        while not pid_file.exists():  # this run is saving (a last.ckpt may be an earlier run's)
             assert proc.poll() is None, "the training process died before saving"
             assert time.monotonic() < deadline, "no checkpoint within 120 s"
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 1.5))  # a random moment: mid-write, mid-commit, mid-removal...
+        # Everything dies at once, as in a container or machine kill: the training process group
+        # and the async writer (which runs in a session of its own).
+        writer_pid = pid_file.read_text()
         os.killpg(proc.pid, signal.SIGKILL)
+        if writer_pid:
+            try:
+                os.kill(int(writer_pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    # The async writer lives in a session of its own: it finishes its current save, sees the
-    # training process gone, and exits. Wait for that before judging the folder.
-    if pid_file.exists():
+    # Wait until the killed writer is really gone before judging the folder.
+    if pid_file.read_text():
         writer = int(pid_file.read_text())
         deadline = time.monotonic() + 60
         while _alive(writer):
             assert time.monotonic() < deadline, "the writer process outlived its training process"
             time.sleep(0.05)
-    return check_folder(folder / "ckpts")
+    return check_folder(folder / "ckpts", must_have_last=committed_before)
 
 
-def check_folder(ckpts) -> dict:
-    visible = sorted(n for n in os.listdir(ckpts) if not n.startswith("."))
-    assert "last.ckpt" in visible, visible
+def check_folder(ckpts, must_have_last: bool) -> dict:
+    """Everything visible is complete; once a checkpoint was committed, one always remains."""
+    visible = sorted(n for n in os.listdir(ckpts) if not n.startswith(".")) if ckpts.exists() else []
+    if "last.ckpt" not in visible:
+        assert not must_have_last, f"the last good checkpoint was lost: {visible}"
+        assert not visible, visible  # killed before the first commit: nothing may look committed
+        return {"step": None, "visible": 0, "leftovers": 0}
     for name in visible:
         lc.verify_checkpoint(ckpts / name)  # raises, naming the damaged file
     saved = lc.load_checkpoint(ckpts / "last.ckpt")
@@ -91,16 +102,18 @@ def check_folder(ckpts) -> dict:
 
 def _campaign(tmp_path, mode: str, kills: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    results = []
+    results: list[dict] = []
     for _ in range(kills):
-        results.append(_kill_once(tmp_path, mode, rng))  # the same folder: each run meets the last one's debris
+        # The same folder every time: each run meets the previous run's debris.
+        committed = any(r["visible"] for r in results)
+        results.append(_kill_once(tmp_path, mode, rng, committed_before=committed))
     return results
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_sigkill_at_random_moments_quick(tmp_path, mode):
     results = _campaign(tmp_path, mode, kills=2, seed=1)
-    assert all(r["visible"] >= 1 for r in results)
+    assert results[-1]["visible"] >= 1 or mode == "async"  # sync: a save precedes every kill
 
 
 @pytest.mark.slow
@@ -108,4 +121,8 @@ def test_sigkill_at_random_moments_quick(tmp_path, mode):
 def test_sigkill_at_random_moments_long(tmp_path, mode):
     results = _campaign(tmp_path, mode, kills=int(os.environ.get("LCKPT_KILLS", "25")), seed=2)
     mid_save = sum(r["leftovers"] > 0 for r in results)
-    print(f"\n{mode}: {len(results)} kills, {mid_save} landed mid-save (left temporaries), all visible checkpoints verified, resume exact")
+    resumed = sum(r["visible"] > 0 for r in results)
+    print(
+        f"\n{mode}: {len(results)} kills, {mid_save} landed mid-save (left temporaries), {resumed} resumed exactly"
+        " from last.ckpt, every visible checkpoint verified, none lost"
+    )
