@@ -21,17 +21,12 @@ from lightning.pytorch import Trainer
 from crash_fit import Ballast
 from models import trainer_kwargs
 
+from helpers import process_alive
+
 import lightning_ckpt as lc
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "crash_fit.py")
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _kill_once(folder, mode: str, rng: random.Random, committed_before: bool) -> dict:
@@ -67,7 +62,7 @@ def _kill_once(folder, mode: str, rng: random.Random, committed_before: bool) ->
     if pid_file.read_text():
         writer = int(pid_file.read_text())
         deadline = time.monotonic() + 60
-        while _alive(writer):
+        while process_alive(writer):
             assert time.monotonic() < deadline, "the writer process outlived its training process"
             time.sleep(0.05)
     return check_folder(folder / "ckpts", must_have_last=committed_before)

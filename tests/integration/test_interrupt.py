@@ -8,15 +8,10 @@ import subprocess
 import sys
 import time
 
+from helpers import process_alive
+
 import lightning_ckpt as lc
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_ctrl_c_stops_the_writer_and_leaves_only_complete_checkpoints(tmp_path):
@@ -32,7 +27,7 @@ def test_ctrl_c_stops_the_writer_and_leaves_only_complete_checkpoints(tmp_path):
             assert time.monotonic() < deadline, "training never reached step 3"
             time.sleep(0.1)
         writer_pid = int(pid_file.read_text())
-        assert _alive(writer_pid)
+        assert process_alive(writer_pid)
         proc.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal sends to the training process
         output = proc.communicate(timeout=120)[0].decode()
     finally:
@@ -40,7 +35,7 @@ def test_ctrl_c_stops_the_writer_and_leaves_only_complete_checkpoints(tmp_path):
             proc.kill()
     assert "KeyboardInterrupt" in output or proc.returncode != 0, output[-3000:]
     time.sleep(0.2)
-    assert not _alive(writer_pid), "the writer process outlived the interrupted training"
+    assert not process_alive(writer_pid), "the writer process outlived the interrupted training"
     names = sorted(os.listdir(out))
     assert "last.ckpt" in names and not [n for n in names if n.startswith(".")], names
     for name in names:
