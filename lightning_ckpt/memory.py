@@ -10,7 +10,7 @@ import ctypes
 import ctypes.util
 import gc
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,9 +27,6 @@ class MemoryStats:
     def cuda_fragmentation(self) -> float:
         """Reserved but unallocated share of the CUDA caching allocator's memory."""
         return 0.0 if not self.cuda_reserved else 1.0 - self.cuda_allocated / self.cuda_reserved
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def memory_stats() -> MemoryStats:
@@ -55,14 +52,6 @@ class ReleaseReport:
     seconds: float
     cuda_cache_emptied: bool
     heap_trimmed: bool
-
-    @property
-    def host_freed(self) -> int:
-        return self.before.host_rss - self.after.host_rss
-
-    @property
-    def cuda_freed(self) -> int:
-        return self.before.cuda_reserved - self.after.cuda_reserved
 
 
 _libc: Any = None

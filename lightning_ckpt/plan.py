@@ -111,10 +111,6 @@ class Plan:
     shards: tuple[Shard, ...]
     components: tuple[str, ...]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.shards)
-
     def file_of_blob(self) -> dict[tuple[str, str], str]:
         return {(s.component, b.name): s.filename for s in self.shards for b in s.blobs}
 

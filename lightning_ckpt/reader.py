@@ -38,10 +38,6 @@ _VERIFY_CHUNK = 16 * 2**20
 _T = TypeVar("_T")
 
 
-def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
-    return os.path.isdir(path)
-
-
 _ATTEMPTS = 20  # reads retried when the path was replaced (atomically) while being read: each retry means a newer complete checkpoint is there
 
 

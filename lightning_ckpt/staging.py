@@ -222,6 +222,3 @@ class Ring:
 
     def free_oldest(self) -> None:
         self._live.popleft()
-
-    def __len__(self) -> int:
-        return len(self._live)
