@@ -309,7 +309,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             cuda_reserved_after=after.cuda_reserved,
             cuda_cache_emptied=bool(release and release.cuda_cache_emptied),
         )
-        self._monitor.records.append(record)
+        self._monitor.add(record)
         if durable is None:
             self._awaiting_durable.append((os.path.abspath(filepath), record))
         self._log(trainer, record)

@@ -8,6 +8,7 @@ rank 0 only, so nothing here may run a collective; ``load_checkpoint`` runs on e
 from __future__ import annotations
 
 import atexit
+import functools
 from collections import deque
 import json
 import os
@@ -41,6 +42,7 @@ _VERIFY_MODES = ("structure", "full")
 _T = TypeVar("_T")
 
 
+@functools.lru_cache(maxsize=1)  # constant for the process; the package metadata lookups are not free
 def _created_by() -> dict[str, str]:
     from lightning_ckpt import __version__
 

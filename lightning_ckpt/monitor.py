@@ -81,14 +81,19 @@ class SaveMonitor:
     window: int = 20
     step_times: list[float] = field(default_factory=list)
     records: list[SaveRecord] = field(default_factory=list)
+    _open: list[SaveRecord] = field(default_factory=list)  # records whose window is not closed yet
     _last_start: float | None = None
+
+    def add(self, record: SaveRecord) -> None:
+        self.records.append(record)
+        self._open.append(record)
 
     def on_step_start(self, now: float) -> list[SaveRecord]:
         """Record the previous step's duration; return records whose slowdown window just closed."""
         if self._last_start is not None:
             self.step_times.append(now - self._last_start)
         self._last_start = now
-        return [r for r in self.records if r.slowdown is None and self._close_window(r, final=False)]
+        return self._close(final=False)
 
     def pause(self, now: float) -> None:
         """Validation (not training) starts: the current step ends here, and the time until the
@@ -99,7 +104,13 @@ class SaveMonitor:
 
     def finish(self) -> list[SaveRecord]:
         """End of training: close every open window with the steps there are."""
-        return [r for r in self.records if r.slowdown is None and self._close_window(r, final=True)]
+        return self._close(final=True)
+
+    def _close(self, final: bool) -> list[SaveRecord]:
+        closed = [r for r in self._open if self._close_window(r, final)]
+        if closed:
+            self._open = [r for r in self._open if r.slowdown is None]
+        return closed
 
     def _close_window(self, record: SaveRecord, final: bool) -> bool:
         save_step = record.step_index  # step_times[save_step] is the step containing the save

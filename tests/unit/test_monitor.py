@@ -23,7 +23,7 @@ def _feed(monitor: SaveMonitor, durations: list[float]) -> list[SaveRecord]:
 def test_slowdown_and_recovery_steps():
     monitor = SaveMonitor(window=4)
     record = _record(step_index=4)
-    monitor.records.append(record)
+    monitor.add(record)
     # 4 normal steps, the save step, then 2 slow steps and back to normal.
     closed = _feed(monitor, [1.0, 1.0, 1.0, 1.0, 3.0, 2.0, 1.5, 1.0, 1.0])
     assert closed == [record]
@@ -35,7 +35,7 @@ def test_slowdown_and_recovery_steps():
 def test_window_waits_for_enough_steps_and_finish_closes_it():
     monitor = SaveMonitor(window=10)
     record = _record(step_index=2)
-    monitor.records.append(record)
+    monitor.add(record)
     assert _feed(monitor, [1.0, 1.0, 5.0, 1.05]) == []
     assert monitor.finish() == [record]
     assert record.recovery_steps == 0 and record.slowdown == pytest.approx(1.05)
