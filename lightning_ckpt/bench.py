@@ -130,15 +130,6 @@ def build_checkpoint(size_bytes: int) -> dict[str, Any]:
     }
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors(value)
 
 
 def state_bytes(size_bytes: int) -> tuple[int, int]:

@@ -69,6 +69,7 @@ import torch
 
 from lightning_ckpt import bench
 from lightning_ckpt.bench import GB, MB, Metrics, Task, _ratio
+from lightning_ckpt.plan import iter_tensors
 
 CONTENDERS = ("torch_io", "async_io", "dcp_async", "sharded_async", "sharded_sync")
 REFERENCE = "plain_copy"
@@ -365,7 +366,7 @@ class _Workload:
 
 def _state_tensors(checkpoint: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(weights + AdamW moments, the optimizer's 0-d step counters) of ``checkpoint``."""
-    tensors = list(bench._tensors(checkpoint))
+    tensors = list(iter_tensors(checkpoint))
     return [t for t in tensors if t.dim() > 0], [t for t in tensors if t.dim() == 0]
 
 

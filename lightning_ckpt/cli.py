@@ -9,7 +9,6 @@ import argparse
 import os
 import sys
 from collections import Counter
-from typing import Any
 
 import torch
 from rich.console import Console
@@ -17,6 +16,7 @@ from rich.table import Table
 
 from lightning_ckpt.errors import CheckpointError
 from lightning_ckpt.io import DEFAULT_MAX_SHARD_SIZE, load_checkpoint, save_checkpoint, verify_checkpoint
+from lightning_ckpt.plan import iter_tensors
 from lightning_ckpt.reader import read_manifest
 
 
@@ -71,20 +71,11 @@ def _inspect_file(path: str, console: Console) -> int:
     for column in ("key", "tensors", "bytes"):
         table.add_column(column)
     for key, value in checkpoint.items():
-        tensors = _tensors(value)
+        tensors = list(iter_tensors(value))
         table.add_row(str(key), str(len(tensors)), _human(sum(t.numel() * t.element_size() for t in tensors)))
     console.print(table)
     return 0
 
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
 
 
 def _verify(path: str, console: Console) -> int:

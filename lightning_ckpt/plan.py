@@ -18,7 +18,7 @@ import base64
 import io
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -190,6 +190,18 @@ class _Encoder:
         buffer = io.BytesIO()
         torch.save(value, buffer)
         return {"$pickle": base64.b64encode(buffer.getvalue()).decode("ascii"), "type": _qualname(kind)}
+
+
+def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in nested dicts, lists and tuples, in order."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from iter_tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from iter_tensors(v)
 
 
 def format_key_path(path: Sequence[Any]) -> str:

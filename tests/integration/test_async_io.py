@@ -11,6 +11,7 @@ import torch
 from models import STEPS_PER_EPOCH, fit_regressor
 
 import lightning_ckpt as lc
+from lightning_ckpt.plan import iter_tensors
 
 
 @pytest.fixture
@@ -37,27 +38,18 @@ def _state(scale: int = 1) -> dict:
     }
 
 
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, list):
-        for v in obj:
-            yield from _tensors(v)
 
 
 def test_snapshot_holds_the_state_at_save_time(async_io, tmp_path):
     state = _state()
-    expected = {id(t): t.clone() for t in _tensors(state)}
+    expected = {id(t): t.clone() for t in iter_tensors(state)}
     async_io.save_checkpoint(state, tmp_path / "a.ckpt")
-    for t in _tensors(state):  # training goes on and mutates everything in place
+    for t in iter_tensors(state):  # training goes on and mutates everything in place
         t.add_(1) if t.dtype != torch.bool else t.logical_not_()
     async_io.wait()
     loaded = lc.load_checkpoint(tmp_path / "a.ckpt", verify=True)
-    flat_saved = list(_tensors(loaded))
-    flat_expected = [expected[id(t)] for t in _tensors(state)]
+    flat_saved = list(iter_tensors(loaded))
+    flat_expected = [expected[id(t)] for t in iter_tensors(state)]
     assert len(flat_saved) == len(flat_expected)
     for got, want in zip(flat_saved, flat_expected):
         assert got.dtype == want.dtype and torch.equal(got, want)
