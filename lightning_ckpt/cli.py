@@ -53,10 +53,10 @@ def _inspect(path: str, console: Console) -> int:
         )
     console.print(table)
     files = Table(title="files")
-    for column in ("file", "bytes", "crc32"):
+    for column in ("file", "bytes", manifest.checksum):
         files.add_column(column, justify="right" if column == "bytes" else "left")
     for name, record in sorted(manifest.files.items()):
-        files.add_row(name, _human(record.size), record.crc32)
+        files.add_row(name, _human(record.size), record.digest)
     console.print(files)
     return 0
 

@@ -105,11 +105,12 @@ class ShardWriter:
         return self._direct_ok[directory]
 
     def write_shard(self, path: str, header: bytes, blobs: tuple[Blob, ...], direct: bool) -> fmt.FileRecord:
-        """Write header + blob bytes to ``path``, fsync, drop from page cache; return size and crc32.
+        """Write header + blob bytes to ``path``, fsync, drop from page cache; return size and digest.
 
         Three stages run concurrently over the reused buffers: a *filler* thread copies bytes in,
-        a *hasher* thread updates the crc32, and the calling thread writes (all release the GIL).
-        Buffers go round in order, so the crc is of the file's bytes in file order.
+        a *hasher* thread updates the digest (``fmt.CHECKSUM_ALGORITHM``), and the calling thread
+        writes (all release the GIL). Buffers go round in order, so the digest is of the file's
+        bytes in file order.
         """
         total = len(header) + sum(b.nbytes for b in blobs)
         buffers = self._buffer_ring()
@@ -119,7 +120,7 @@ class ShardWriter:
         for i in range(len(buffers)):
             free.put(i)
         addresses = [ctypes.addressof(ctypes.c_char.from_buffer(raw)) for raw in buffers]
-        crc = 0
+        running = fmt.hasher()
         stop = threading.Event()
 
         def fill() -> None:
@@ -146,12 +147,11 @@ class ShardWriter:
                 filled.put(err)
 
         def hash_() -> None:
-            nonlocal crc
             while True:
                 item = filled.get()
                 if isinstance(item, tuple):
                     index, used = item
-                    crc = fmt.checksum(memoryview(buffers[index])[:used], crc)
+                    running.update(memoryview(buffers[index])[:used])
                 hashed.put(item)
                 if not isinstance(item, tuple):
                     return
@@ -195,23 +195,23 @@ class ShardWriter:
                     thread.join()
         if written != total:
             raise OSError(errno.EIO, f"wrote {written} of {total} bytes", path)
-        return fmt.FileRecord(size=total, crc32=fmt.format_checksum(crc))
+        return fmt.FileRecord(size=total, digest=running.hexdigest())
 
 
     def write_image(self, path: str, buffer: mmap.mmap, offset: int, size: int, direct: bool) -> fmt.FileRecord:
         """Write ``buffer[offset:offset+size]`` (a staged file image) to ``path`` without copying it.
 
         ``offset`` is 4096-aligned and the buffer extends to the next multiple of 4096 after the
-        image, so ``O_DIRECT`` writes go straight from the buffer. A thread computes the crc32
+        image, so ``O_DIRECT`` writes go straight from the buffer. A thread computes the digest
         while this one writes (both release the GIL).
         """
         image = memoryview(buffer)[offset : offset + size]
-        crc = [0]
+        running = fmt.hasher()
         # Full speed: a thread hashes the whole image while this one writes. Rate-capped: hash
         # chunk by chunk inside the paced loop, so the hashing is spread out as well.
         hasher = None
         if not self.max_rate:
-            hasher = threading.Thread(target=lambda: crc.__setitem__(0, fmt.checksum(image)), name="lightning_ckpt-hash")
+            hasher = threading.Thread(target=running.update, args=(image,), name="lightning_ckpt-hash")
         fd = _open_for_write(path, direct)
         try:
             if hasher is not None:
@@ -221,7 +221,7 @@ class ShardWriter:
             for start in range(0, len(data), self.chunk_bytes):
                 _write_all(fd, data[start : start + self.chunk_bytes])
                 if self.max_rate:
-                    crc[0] = fmt.checksum(image[start : start + self.chunk_bytes], crc[0])
+                    running.update(image[start : start + self.chunk_bytes])
                     ahead = (start + self.chunk_bytes) / self.max_rate - (time.perf_counter() - began)
                     if ahead > 0:
                         time.sleep(ahead)
@@ -233,7 +233,7 @@ class ShardWriter:
             os.close(fd)
             if hasher is not None and hasher.ident is not None:
                 hasher.join()
-        return fmt.FileRecord(size=size, crc32=fmt.format_checksum(crc[0]))
+        return fmt.FileRecord(size=size, digest=running.hexdigest())
 
 
 def _byte_pieces(header: bytes, blobs: tuple[Blob, ...], chunk: int) -> Iterator[torch.Tensor]:
@@ -264,7 +264,7 @@ def write_small(path: str, data: bytes) -> fmt.FileRecord:
         drop_page_cache(fd)
     finally:
         os.close(fd)
-    return fmt.FileRecord(size=len(data), crc32=fmt.format_checksum(fmt.checksum(data)))
+    return fmt.FileRecord(size=len(data), digest=fmt.digest(data))
 
 
 def _write_all(fd: int, data: memoryview) -> None:

@@ -1,11 +1,14 @@
-"""Golden files pin the on-disk format, version 1, in both directions.
+"""Golden files pin the on-disk format in both directions.
 
-* The committed checkpoint under ``tests/golden/v1`` must load into exactly ``golden_checkpoint()``
-  (old checkpoints stay readable).
-* Saving ``golden_checkpoint()`` today must reproduce every committed file byte for byte, and the
-  manifest up to the version stamps (the writer has not drifted).
+* The committed checkpoints under ``tests/golden/v1`` (zlib crc32) and ``tests/golden/v2``
+  (XXH3-64, written today) must load and verify into exactly ``golden_checkpoint()`` (old
+  checkpoints stay readable and checkable).
+* Saving ``golden_checkpoint()`` today must reproduce every file of ``tests/golden/v2`` byte for
+  byte, and its manifest up to the version stamps (the writer has not drifted).
+* Version 2 changed the manifest only: every other v1 file is byte-identical to its v2 twin.
 
-Regenerate only with a deliberate format change (and a FORMAT_VERSION bump):
+Never regenerate v1. Regenerate v2 only with a deliberate format change, and a new version
+directory with a FORMAT_VERSION bump instead once v2 has been released:
 ``python tests/unit/test_golden.py``.
 """
 
@@ -17,11 +20,14 @@ import shutil
 from collections import OrderedDict
 from pathlib import Path
 
+import pytest
 import torch
 
 import lightning_ckpt as lc
+from lightning_ckpt import manifest as fmt
 
-GOLDEN = Path(__file__).parent.parent / "golden" / "v1" / "epoch=1-step=42.ckpt"
+GOLDEN_V1 = Path(__file__).parent.parent / "golden" / "v1" / "epoch=1-step=42.ckpt"
+GOLDEN = Path(__file__).parent.parent / "golden" / f"v{fmt.FORMAT_VERSION}" / "epoch=1-step=42.ckpt"
 
 
 def golden_checkpoint() -> dict:
@@ -62,9 +68,14 @@ def _manifest_without_versions(path: Path) -> dict:
     return body
 
 
-def test_golden_checkpoint_loads(tmp_path):
+@pytest.mark.parametrize(
+    ("golden", "version", "algorithm"), [(GOLDEN_V1, 1, "crc32"), (GOLDEN, 2, "xxh3_64")], ids=["v1", "v2"]
+)
+def test_golden_checkpoint_loads_and_verifies(golden, version, algorithm):
+    manifest = lc.verify_checkpoint(golden)
+    assert (manifest.format_version, manifest.checksum) == (version, algorithm)
     expected = golden_checkpoint()
-    got = lc.load_checkpoint(GOLDEN, verify=True)
+    got = lc.load_checkpoint(golden)  # verifies every file by default
     assert got.keys() == expected.keys()
     assert got["state_dict"]._metadata == expected["state_dict"]._metadata
     for key, value in expected["state_dict"].items():
@@ -83,11 +94,27 @@ def test_writer_reproduces_golden_bytes(tmp_path):
     assert sorted(os.listdir(path)) == sorted(os.listdir(GOLDEN))
     for name in os.listdir(GOLDEN):
         if name != "manifest.json":
-            assert (path / name).read_bytes() == (GOLDEN / name).read_bytes(), f"{name} drifted from format v1"
+            assert (path / name).read_bytes() == (GOLDEN / name).read_bytes(), f"{name} drifted from format v2"
     assert _manifest_without_versions(path) == _manifest_without_versions(GOLDEN)
 
 
+def test_v2_changed_only_the_manifest():
+    assert sorted(os.listdir(GOLDEN_V1)) == sorted(os.listdir(GOLDEN))
+    for name in os.listdir(GOLDEN_V1):
+        if name != "manifest.json":
+            assert (GOLDEN_V1 / name).read_bytes() == (GOLDEN / name).read_bytes(), name
+    v1, v2 = _manifest_without_versions(GOLDEN_V1), _manifest_without_versions(GOLDEN)
+    assert (v1.pop("format_version"), v1.pop("checksum"), v2.pop("format_version"), v2.pop("checksum")) == (
+        1, "crc32", 2, "xxh3_64"
+    )
+    assert {name: record["size"] for name, record in v1.pop("files").items()} == {
+        name: record["size"] for name, record in v2.pop("files").items()
+    }
+    assert v1 == v2
+
+
 if __name__ == "__main__":
+    assert GOLDEN != GOLDEN_V1, "v1 is released: never rewrite it"
     shutil.rmtree(GOLDEN, ignore_errors=True)
     lc.save_checkpoint(golden_checkpoint(), GOLDEN)
     print("wrote", GOLDEN, sorted(os.listdir(GOLDEN)))
