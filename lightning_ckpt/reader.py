@@ -2,10 +2,13 @@
 
 * ``read_manifest`` parses and validates the manifest (the commit marker: no manifest, no checkpoint).
 * ``check_structure`` is the cheap check run on every load: every listed file present with its size.
-* ``verify`` recomputes every crc32 (and the manifest's own) on request.
+* ``verify`` recomputes every file's digest (and the manifest's own) without loading anything.
 * ``load`` maps each shard privately (copy-on-write), so tensors are views of the page cache until
-  written; nothing but the tensors actually touched is read. Legacy single-file ``.ckpt`` files go
-  through ``torch.load`` as Lightning's ``TorchCheckpointIO`` would.
+  written. By default it hashes every mapped shard before handing out a tensor of it (reading
+  ahead of the hash with ``MADV_WILLNEED``): the one pass from disk both verifies the bytes and
+  leaves them in the page cache for the copy that follows (``load_state_dict``), so verifying
+  costs the hashing, not a second read. Legacy single-file ``.ckpt`` files go through
+  ``torch.load`` as Lightning's ``TorchCheckpointIO`` would.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from lightning_ckpt.plan import contiguous_strides, decode_tree, format_key_path
 
 MapLocation = Union[None, str, torch.device, dict[str, str], Callable[..., Any]]
 _VERIFY_CHUNK = 16 * 2**20
+_HASH_READ_AHEAD = 4  # chunks the kernel is asked to read ahead of the hash of a mapped shard
 _T = TypeVar("_T")
 
 
@@ -51,7 +55,7 @@ class _Dir:
         try:
             self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         except FileNotFoundError:
-            raise CheckpointNotFoundError(f"Checkpoint {path!r} does not exist.", path) from None
+            raise CheckpointNotFoundError(not_found_message(path), path) from None
 
     def open(self, name: str, flags: int = os.O_RDONLY) -> int:
         return os.open(name, flags, dir_fd=self.fd)
@@ -73,6 +77,24 @@ class _Dir:
 
     def __exit__(self, *exc: object) -> None:
         os.close(self.fd)
+
+
+def not_found_message(path: str) -> str:
+    """Lightning's ``TorchCheckpointIO`` wording first (code may match on it), then our hint."""
+    return (
+        f"Checkpoint file not found: {path}. Nothing exists at that path: check it (lightning_ckpt"
+        " checkpoints are directories such as 'epoch=0-step=500.ckpt/'), or resume with"
+        " `ckpt_path=\"last\"` to pick the newest checkpoint of the run."
+    )
+
+
+def damaged_message(path: str, name: str, algorithm: str, expected: str, found: str) -> str:
+    return (
+        f"{path!r}: checksum mismatch in {name!r} ({algorithm}: expected {expected}, found {found}); the file is"
+        " corrupt, so the checkpoint is damaged. Resume from another checkpoint (an earlier one of the run),"
+        " or, to load these bytes anyway, pass `verify=False` to `load_checkpoint` or use"
+        " `ShardedCheckpointIO(verify_on_load=\"structure\")`."
+    )
 
 
 def _retrying(path: str, read: Callable[[_Dir], _T]) -> _T:
@@ -130,7 +152,7 @@ def check_structure(directory: _Dir, manifest: fmt.Manifest) -> None:
 
 
 def verify(path: str | os.PathLike[str]) -> fmt.Manifest:
-    """Full verification: structure plus every file's crc32. Raises on the first damaged file."""
+    """Full verification: structure plus every file's digest. Raises on the first damaged file."""
     return _retrying(os.fspath(path), _verify)
 
 
@@ -141,13 +163,10 @@ def _verify(directory: _Dir) -> fmt.Manifest:
     buffers = [mmap.mmap(-1, _VERIFY_CHUNK) for _ in range(2)]
     try:
         for name, record in manifest.files.items():
-            crc = _file_crc32(directory, name, buffers)
-            if fmt.format_checksum(crc) != record.crc32:
+            found = _file_digest(directory, name, buffers, manifest.checksum)
+            if found != record.digest:
                 raise CorruptCheckpointError(
-                    f"{path!r}: checksum mismatch in {name!r} (expected {record.crc32}, found"
-                    f" {fmt.format_checksum(crc)}); the file is corrupt. Resume from another checkpoint.",
-                    path,
-                    name,
+                    damaged_message(path, name, manifest.checksum, record.digest, found), path, name
                 )
     finally:
         for buffer in buffers:
@@ -155,8 +174,8 @@ def _verify(directory: _Dir) -> fmt.Manifest:
     return manifest
 
 
-def _file_crc32(directory: _Dir, name: str, buffers: list[mmap.mmap]) -> int:
-    """crc32 of a file: a thread reads into one aligned buffer while this one hashes the other.
+def _file_digest(directory: _Dir, name: str, buffers: list[mmap.mmap], algorithm: str) -> str:
+    """Digest of a file: a thread reads into one aligned buffer while this one hashes the other.
 
     Reads use ``O_DIRECT`` where the filesystem allows it, so verifying a checkpoint neither
     evicts the training data from the page cache nor pays for filling it.
@@ -187,13 +206,13 @@ def _file_crc32(directory: _Dir, name: str, buffers: list[mmap.mmap]) -> int:
 
     thread = threading.Thread(target=read, name="lightning_ckpt-verify", daemon=True)
     thread.start()
-    crc = 0
+    running = fmt.hasher(algorithm)
     try:
         while (item := ready.get()) is not None:
             if isinstance(item, BaseException):
                 raise item
             index, n = item
-            crc = fmt.checksum(memoryview(buffers[index])[:n], crc)
+            running.update(memoryview(buffers[index])[:n])
             free.put(index)
     finally:
         stop.set()
@@ -201,7 +220,7 @@ def _file_crc32(directory: _Dir, name: str, buffers: list[mmap.mmap]) -> int:
         thread.join()
         drop_page_cache(fd)
         os.close(fd)
-    return crc
+    return running.hexdigest()
 
 
 
@@ -219,23 +238,57 @@ class _Shard:
         return torch.frombuffer(self.mapped, dtype=torch.uint8, count=n, offset=self.data_start + entry.begin)
 
 
-def _open_shard(directory: _Dir, name: str) -> _Shard:
+def _open_shard(directory: _Dir, name: str, expected: tuple[str, str] | None = None) -> _Shard:
+    """Map shard ``name`` and validate its header; with ``expected`` = (algorithm, digest), first
+    hash the whole mapped file and raise ``CorruptCheckpointError`` on a mismatch."""
     path = directory.path
     with os.fdopen(directory.open(name), "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        prefix = f.read(8)
+        # MAP_PRIVATE: writes (e.g. an optimizer step on a restored state) copy the page, never the file.
+        mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+    try:
+        if expected is not None:
+            algorithm, digest = expected
+            found = fmt.digest(b"", algorithm) if mapped is None else _mapped_digest(mapped, algorithm)
+            if found != digest:
+                raise CorruptCheckpointError(damaged_message(path, name, algorithm, digest, found), path, name)
+        prefix = b"" if mapped is None else mapped[:8]
         if len(prefix) == 8:
             length = int.from_bytes(prefix, "little")
             if length <= fmt.MAX_HEADER_BYTES and 8 + length <= size:
-                prefix += f.read(length)
+                prefix = mapped[: 8 + length]  # type: ignore[index]
         try:
             data_start, entries = fmt.parse_header(prefix, size, where=f"{path}/{name}")
         except CorruptCheckpointError as err:
             err.path, err.file = path, name
             raise
-        # MAP_PRIVATE: writes (e.g. an optimizer step on a restored state) copy the page, never the file.
-        mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        if mapped is not None:
+            mapped.close()
+        raise
+    assert mapped is not None  # parse_header refuses a file too short for a header
     return _Shard(mapped, data_start, entries)
+
+
+def _mapped_digest(mapped: mmap.mmap, algorithm: str) -> str:
+    """Digest of a whole mapped file, asking the kernel to read ahead of the hash.
+
+    The pages read stay mapped and cached, so the tensors made from this mapping afterwards (and
+    the copy into the model) read memory, not the disk: verification adds the hashing only.
+    """
+    running = fmt.hasher(algorithm)
+    size = len(mapped)
+    advise = getattr(mmap, "MADV_WILLNEED", None)
+    view = memoryview(mapped)
+    try:
+        for start in range(0, size, _VERIFY_CHUNK):
+            if advise is not None:  # pages already cached or in flight are skipped by the kernel
+                end = min(size, start + (_HASH_READ_AHEAD + 1) * _VERIFY_CHUNK)
+                mapped.madvise(advise, start, end - start)  # start is chunk-, so page-aligned
+            running.update(view[start : start + _VERIFY_CHUNK])
+    finally:
+        view.release()
+    return running.hexdigest()
 
 
 def _device_for(location: str, map_location: MapLocation) -> torch.device:
@@ -265,18 +318,16 @@ def load(
 
 def _load(directory: _Dir, map_location: MapLocation, weights_only: bool | None, verify_checksums: bool) -> dict[Any, Any]:
     path = directory.path
-    if verify_checksums:
-        manifest = _verify(directory)
-    else:
-        manifest = _read_manifest(directory)
-        check_structure(directory, manifest)
+    manifest = _read_manifest(directory)
+    check_structure(directory, manifest)
+    algorithm = manifest.checksum
+    # The metadata is small and decides what is read: its digest is checked in every mode.
     metadata = directory.read(manifest.metadata_file)
     record = manifest.files[manifest.metadata_file]
-    if fmt.format_checksum(fmt.checksum(metadata)) != record.crc32:
+    found = fmt.digest(metadata, algorithm)
+    if found != record.digest:
         raise CorruptCheckpointError(
-            f"{path!r}: checksum mismatch in {manifest.metadata_file!r}; the metadata is corrupt.",
-            path,
-            manifest.metadata_file,
+            damaged_message(path, manifest.metadata_file, algorithm, record.digest, found), path, manifest.metadata_file
         )
     try:
         tree = json.loads(metadata)
@@ -284,6 +335,16 @@ def _load(directory: _Dir, map_location: MapLocation, weights_only: bool | None,
         raise CorruptCheckpointError(f"{path!r}: {manifest.metadata_file!r} is not valid JSON ({err}).", path) from err
 
     shards: dict[str, _Shard] = {}
+    if verify_checksums:
+        # Every listed file, before any tensor exists: a damaged byte raises here, naming its file.
+        shard_files = {name for files in manifest.components.values() for name in files}
+        for name, record in manifest.files.items():
+            if name in shard_files:
+                shards[name] = _open_shard(directory, name, (algorithm, record.digest))
+            elif name != manifest.metadata_file:
+                found = fmt.digest(directory.read(name), algorithm)
+                if found != record.digest:
+                    raise CorruptCheckpointError(damaged_message(path, name, algorithm, record.digest, found), path, name)
     blobs: dict[tuple[str, str, str], torch.Tensor] = {}  # (file, blob, device) -> uint8 tensor
 
     def blob_bytes(file: str, name: str, device: torch.device) -> torch.Tensor:
