@@ -6,44 +6,83 @@ checkpoint bytes are written by the CheckpointIO on global rank 0 only. Decision
 take alike are taken locally:
 
 * the version counter's "does this file exist" uses a rank-consistent record of known checkpoint
-  paths (rank 0's listing of ``dirpath``, broadcast once at ``setup``, then updated identically
-  on every rank by each save and removal) instead of a filesystem probe plus a collective;
+  paths (rank 0's listing of ``dirpath``, as deep as the ``filename`` template reaches, broadcast
+  once at every ``setup``, then updated identically on every rank by each save and removal)
+  instead of a filesystem probe plus a collective;
 * the top-k decision is local when the monitored value is the same on every rank: logged with
   ``sync_dist=True`` (and not ``rank_zero_only``), a torchmetrics ``Metric``, ``epoch``/``step``,
   or a single process. Otherwise it falls back to Lightning's all-reduce;
-* ``save_last="link"`` links without a barrier.
-
+* ``save_last="link"`` links without a barrier;
 * ``train_time_interval``: rank 0 decides at scheduled check steps only, and broadcasts the
-  decision together with the number of steps until the next check (from its measured step time),
-  so every rank skips the same steps without talking: about one broadcast per interval instead
-  of one per batch. A time-triggered save happens at the first check step after the interval.
+  decision together with the number of steps until the next check, planned from the measured
+  step time so that the check lands before the deadline even if steps become
+  ``_TIME_CHECK_SLOWDOWN_TOLERANCE`` times slower.
 
-What remains per save is the barrier in ``Trainer.save_checkpoint``.
+A *save step* is one hook call (``on_train_batch_end``, ``on_validation_end``, ...) that writes
+one or more files (the top-k file, ``last.ckpt``). ``Trainer.save_checkpoint``'s barrier (one
+per file) is not run: nothing on the other ranks reads a checkpoint before the next stage's
+setup, whose own collectives order it after rank 0's write. When the IO can skip a save
+(``ShardedCheckpointIO(async_save=True, when_busy="skip")``) the step ends with one collective,
+a broadcast telling every rank whether rank 0's IO skipped one. A skipped save, and the saves
+after it in the same step, are undone on every rank: the bookkeeping (``best_k_models``,
+``best_model_path``, ``last_model_path``, ...) is restored to what it was before and nothing is
+removed, so the callback's state is as if they had not been requested.
 """
-
-from __future__ import annotations
 
 import math
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
+from weakref import proxy
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from rich.console import Console
 from typing_extensions import override
 
+from lightning_ckpt import manifest as fmt
 from lightning_ckpt.compile import install_load_hook, strip_compiled_prefixes
 from lightning_ckpt.memory import memory_stats, release_memory
 from lightning_ckpt.monitor import SaveMonitor, SaveRecord, print_summary, save_line
 from lightning_ckpt.writer import TempDir, commit
 
-_PATH = Union[str, "os.PathLike[str]"]
-# Checkpoint paths known to exist, per folder (see the module docstring); shared by instances.
+# Checkpoint paths known to exist, per folder (see the module docstring); shared by instances
+# saving into the same folder, and reset from the filesystem at every ``setup``.
 _RECORDS: dict[str, set[str]] = {}
+
+# A time-trigger check plans at most 1/this of the remaining time ahead at the measured step time:
+# the save stays on the first step past the interval (as Lightning's, which checks every batch)
+# unless steps become more than this many times slower between two checks.
+_TIME_CHECK_SLOWDOWN_TOLERANCE = 10
+
+# ModelCheckpoint's save bookkeeping: what a skipped save must leave untouched.
+_BOOKKEEPING = (
+    "best_k_models",
+    "kth_best_model_path",
+    "kth_value",
+    "best_model_path",
+    "best_model_score",
+    "current_score",
+    "last_model_path",
+    "_last_global_step_saved",
+    "_last_checkpoint_saved",
+)
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """The bookkeeping and the record of known paths just before a save attempt."""
+
+    values: dict[str, Any]
+    known: frozenset[str]
 
 
 class ShardedModelCheckpoint(ModelCheckpoint):
@@ -56,14 +95,17 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         cuda_fragmentation_threshold: empty the CUDA cache when more than this share of reserved
             memory is unallocated.
         slowdown_window: steps before/after a save compared for the post-save slowdown.
-        metrics_file: JSON file (in ``dirpath``) with every save's record and the step times,
-            written at the end of fit; ``None`` to skip.
-        plot: also write ``ckpt_step_times.png`` (step time with saves marked) if matplotlib is
-            installed.
+        metrics_file: JSON-lines file, in the run's log folder (``trainer.log_dir``: the logger's
+            folder, else ``default_root_dir``), to which each ``fit`` appends one line with every
+            save's record and the step times; ``None`` to skip. Nothing is written to ``dirpath``
+            but checkpoints.
+        plot: also write ``ckpt_step_times.png`` (step time with saves marked) to the run's log
+            folder if matplotlib is installed.
         compile_safe: save state-dict keys without ``_orig_mod.`` and let the module load keys in
             either form, so checkpoints move between compiled and uncompiled models.
 
-    Every other argument is ``ModelCheckpoint``'s, with the same meaning. Metrics are logged as
+    Every other argument is ``ModelCheckpoint``'s, with the same meaning; ``verbose=True`` also
+    prints a line per save and a summary table at the end of fit. Metrics are logged as
     ``ckpt/...`` through the trainer's loggers; ``save_records`` holds them as data.
     """
 
@@ -87,7 +129,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         release_memory: bool = True,
         cuda_fragmentation_threshold: float = 0.25,
         slowdown_window: int = 20,
-        metrics_file: Optional[str] = "ckpt_metrics.json",
+        metrics_file: Optional[str] = "ckpt_metrics.jsonl",
         plot: bool = False,
         compile_safe: bool = True,
     ) -> None:
@@ -126,27 +168,39 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         self._awaiting_durable: list[tuple[str, SaveRecord]] = []
         # The triggers as configured: on_train_batch_end toggles the live ones for one call.
         self._configured_triggers = (self._every_n_train_steps, self._train_time_interval)
-        # Time trigger (see the module docstring): identical on every rank except the clock.
+        # Time trigger (see the module docstring): identical on every rank except the clocks.
         self._time_reference = 0.0  # rank 0: when the interval started
+        self._last_check = 0.0  # rank 0: when the last check ran
         self._steps_to_check = 1
-        self._steps_since_reference = 0
+        self._steps_since_check = 0
+        # The save step in progress (see the module docstring); identical on every rank except
+        # ``_skipped_at``, which only rank 0 knows until the step's broadcast.
+        self._in_save_step = False
+        self._attempts: list[_Snapshot] = []
+        self._pending: _Snapshot | None = None
+        self._skipped_at: int | None = None
 
     # ------------------------------------------------------------------------------ collectives
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        # The rank-consistent record of existing checkpoints: one broadcast here, none per save.
-        listing: list[str] = []
-        if trainer.is_global_zero and self.dirpath is not None and os.path.isdir(self.dirpath):
-            listing = sorted(os.path.normpath(os.path.join(self.dirpath, name)) for name in os.listdir(self.dirpath))
+        # The rank-consistent record of existing checkpoints, from the filesystem (never from an
+        # earlier run's memory): one broadcast here, none per save.
+        listing = _listing(self.dirpath, self._template_depth()) if trainer.is_global_zero else []
         # One record per folder, shared by every checkpoint callback saving there (as the
-        # filesystem would be), refreshed from rank 0's listing.
+        # filesystem would be).
         record = _RECORDS.setdefault(os.path.normpath(os.fspath(self.dirpath or "")), set())
+        record.clear()
         record.update(trainer.strategy.broadcast(listing))
         self._known = record
         if self.compile_safe and self._load_hook is None:
             self._load_hook = install_load_hook(pl_module)
+
+    def _template_depth(self) -> int:
+        """How many folders below ``dirpath`` the file name templates reach (``"{epoch}/model"``: 1)."""
+        templates = (self.filename or "", self.CHECKPOINT_NAME_LAST or "")
+        return max(template.replace(os.sep, "/").count("/") for template in templates)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -174,41 +228,49 @@ class ShardedModelCheckpoint(ModelCheckpoint):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        self._time_reference, self._steps_to_check, self._steps_since_reference = time.monotonic(), 1, 0
+        now = time.monotonic()
+        self._time_reference = self._last_check = now
+        self._steps_to_check, self._steps_since_check = 1, 0
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         interval = self._train_time_interval
-        if interval is None:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-            return
-        # Lightning's time trigger broadcasts every batch. Decide here instead, then let Lightning
-        # run its step-trigger path (every_n_train_steps=1) for exactly the steps that save.
-        save_now = self._time_to_save(trainer, interval.total_seconds())
-        self._train_time_interval, self._every_n_train_steps = None, 1 if save_now else 0
-        try:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        finally:
-            self._train_time_interval, self._every_n_train_steps = interval, 0
+        with self._save_step(trainer):
+            if interval is None:
+                super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+                return
+            # Lightning's time trigger broadcasts every batch. Decide here instead, then let
+            # Lightning run its step-trigger path (every_n_train_steps=1) for the steps that save.
+            save_now = self._time_to_save(trainer, interval.total_seconds())
+            self._train_time_interval, self._every_n_train_steps = None, 1 if save_now else 0
+            try:
+                super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            finally:
+                self._train_time_interval, self._every_n_train_steps = interval, 0
 
     def _time_to_save(self, trainer: pl.Trainer, interval: float) -> bool:
         """Rank-consistent time decision, communicating only on scheduled check steps."""
-        self._steps_since_reference += 1
+        self._steps_since_check += 1
         self._steps_to_check -= 1
         if self._steps_to_check > 0:
             return False
         decision: tuple[bool, int] | None = None
         if trainer.is_global_zero:
-            elapsed = time.monotonic() - self._time_reference
-            per_step = elapsed / self._steps_since_reference
-            save = elapsed >= interval
-            remaining = interval if save else interval - elapsed
-            decision = (save, max(1, math.ceil(remaining / per_step)) if per_step > 0 else 1)
-        save, self._steps_to_check = trainer.strategy.broadcast(decision)
-        if save:
-            self._time_reference, self._steps_since_reference = time.monotonic(), 0
+            now = time.monotonic()
+            step_time = (now - self._last_check) / self._steps_since_check  # the recent pace
+            save = now - self._time_reference >= interval
+            remaining = interval if save else interval - (now - self._time_reference)
+            decision = (save, _steps_until_check(remaining, step_time, trainer.world_size))
+            self._last_check = now
+            if save:
+                self._time_reference = now
+        if trainer.world_size > 1:
+            decision = trainer.strategy.broadcast(decision)
+        assert decision is not None  # rank 0's, or received from it
+        save, self._steps_to_check = decision
+        self._steps_since_check = 0
         return save
 
     @override
@@ -261,14 +323,65 @@ class ShardedModelCheckpoint(ModelCheckpoint):
                 raise
             temporary.release(remove=False)
 
+    # ------------------------------------------------------------------ save steps and skips
+
+    @contextmanager
+    def _save_step(self, trainer: pl.Trainer, collective: bool = True) -> Iterator[None]:
+        """Bracket one hook's saves; close them with the step's one collective (if any save ran).
+
+        Nested brackets (a hook calling another bracketed method) join the outer one.
+        """
+        if self._in_save_step:
+            yield
+            return
+        self._in_save_step, self._attempts, self._pending, self._skipped_at = True, [], None, None
+        try:
+            yield
+            if not self._attempts:
+                return  # no save: no collective
+            skipped_at = self._skipped_at
+            if collective and trainer.world_size > 1 and _can_skip(trainer.strategy.checkpoint_io):
+                skipped_at = trainer.strategy.broadcast(skipped_at)
+            if skipped_at is not None:
+                self._restore(self._attempts[skipped_at])
+        finally:
+            self._in_save_step, self._attempts, self._pending, self._skipped_at = False, [], None, None
+
+    def _snapshot(self) -> _Snapshot:
+        values = {name: getattr(self, name) for name in _BOOKKEEPING}
+        values["best_k_models"] = dict(self.best_k_models)
+        return _Snapshot(values, frozenset(self._known))
+
+    def _restore(self, snapshot: _Snapshot) -> None:
+        for name, value in snapshot.values.items():
+            setattr(self, name, dict(value) if name == "best_k_models" else value)
+        self._known.clear()
+        self._known.update(snapshot.known)
+
+    @override
+    def _save_topk_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
+        with self._save_step(trainer):
+            if self._skipped_at is not None:
+                return  # rank 0: an earlier save of this step was skipped, and so is this one
+            self._pending = self._snapshot()  # before ModelCheckpoint updates its bookkeeping
+            super()._save_topk_checkpoint(trainer, monitor_candidates)
+            self._pending = None
+
     @override
     def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
-        super()._save_last_checkpoint(trainer, monitor_candidates)
-        if self.last_model_path:  # saved or linked: either way it exists now
-            self._known.add(os.path.normpath(self.last_model_path))
+        with self._save_step(trainer):
+            if self._skipped_at is not None:
+                return  # rank 0: as above (and never link to a skipped checkpoint)
+            self._pending = self._snapshot()
+            super()._save_last_checkpoint(trainer, monitor_candidates)
+            self._pending = None
+            if self.last_model_path and self._skipped_at is None:  # saved or linked: it exists now
+                self._known.add(os.path.normpath(self.last_model_path))
 
     @override
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        if self._skipped_at is not None:
+            return  # rank 0: the save that would have replaced it was skipped; keep it
         super()._remove_checkpoint(trainer, filepath)
         self._known.discard(os.path.normpath(filepath))
 
@@ -283,17 +396,33 @@ class ShardedModelCheckpoint(ModelCheckpoint):
 
     @override
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        before = memory_stats()
-        start = time.perf_counter()
-        super()._save_checkpoint(trainer, filepath)
-        stall = time.perf_counter() - start
-        self._known.add(os.path.normpath(filepath))
-        release = release_memory(self.cuda_fragmentation_threshold) if self.release_memory else None
-        if not trainer.is_global_zero:
-            return
+        with self._save_step(trainer):
+            self._attempts.append(self._pending or self._snapshot())
+            self._pending = None
+            if self._skipped_at is not None:
+                return
+            io = trainer.strategy.checkpoint_io
+            skipped_before = getattr(io, "skipped_saves", 0)
+            before = memory_stats()
+            start = time.perf_counter()
+            _write(trainer, filepath, self.save_weights_only)
+            stall = time.perf_counter() - start
+            if trainer.is_global_zero and getattr(io, "skipped_saves", 0) != skipped_before:
+                self._skipped_at = len(self._attempts) - 1  # undone on every rank at the step's end
+                return
+            self._last_global_step_saved = trainer.global_step
+            self._last_checkpoint_saved = filepath
+            self._known.add(os.path.normpath(filepath))
+            if trainer.is_global_zero:
+                for logger in trainer.loggers:
+                    logger.after_save_checkpoint(proxy(self))
+            release = release_memory(self.cuda_fragmentation_threshold) if self.release_memory else None
+            if trainer.is_global_zero:
+                self._record(trainer, filepath, stall, before, release)
+
+    def _record(self, trainer: pl.Trainer, filepath: str, stall: float, before: Any, release: Any) -> None:
         after = release.after if release is not None else memory_stats()
-        io = trainer.strategy.checkpoint_io
-        nbytes, durable = _written(io, filepath, stall)
+        nbytes, durable = _written(trainer.strategy.checkpoint_io, filepath, stall)
         record = SaveRecord(
             index=len(self._monitor.records),
             path=filepath,
@@ -314,7 +443,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             self._awaiting_durable.append((os.path.abspath(filepath), record))
         self._log(trainer, record)
         if self.verbose:
-            Console().print(save_line(record))
+            Console(soft_wrap=True).print(save_line(record))
 
     @property
     def save_records(self) -> list[dict[str, Any]]:
@@ -333,8 +462,26 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         self._monitor.pause(time.perf_counter())  # validation time is not a training step
 
     @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        with self._save_step(trainer):
+            super().on_train_epoch_end(trainer, pl_module)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        with self._save_step(trainer):
+            super().on_validation_end(trainer, pl_module)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        _explain_directory_error(exception)
+        # No collective: the exception may have been raised on this rank alone.
+        with self._save_step(trainer, collective=False):
+            super().on_exception(trainer, pl_module, exception)
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_end(trainer, pl_module)
+        with self._save_step(trainer):
+            super().on_train_end(trainer, pl_module)
         if not trainer.is_global_zero:
             return
         io = trainer.strategy.checkpoint_io
@@ -342,13 +489,15 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             io.wait()  # final durability figures
         for record in self._monitor.finish() + self._newly_durable(trainer):
             self._log(trainer, record)
-        if self._monitor.records:
+        if not self._monitor.records:
+            return
+        if self.verbose:
             print_summary(self._monitor.records)
-        if self.dirpath is not None and self._monitor.records:
-            if self.metrics_file:
-                self._monitor.to_json(os.path.join(self.dirpath, self.metrics_file))
-            if self.plot:
-                self._monitor.plot(os.path.join(self.dirpath, "ckpt_step_times.png"))
+        run_dir = _run_dir(trainer)
+        if self.metrics_file:
+            self._monitor.append_jsonl(os.path.join(run_dir, self.metrics_file))
+        if self.plot:
+            self._monitor.plot(os.path.join(run_dir, "ckpt_step_times.png"))
 
     def _newly_durable(self, trainer: pl.Trainer) -> list[SaveRecord]:
         io = trainer.strategy.checkpoint_io
@@ -369,6 +518,78 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         metrics = record.metrics()
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def _write(trainer: pl.Trainer, filepath: str, weights_only: bool) -> None:
+    """``Trainer.save_checkpoint`` without its per-file barrier in multi-rank runs (see the module
+    docstring); in one process the barrier is a no-op and the Trainer's own method runs."""
+    if trainer.world_size == 1:
+        trainer.save_checkpoint(filepath, weights_only)
+        return
+    with trainer.profiler.profile("save_checkpoint"):
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only)
+        trainer.strategy.save_checkpoint(checkpoint, filepath)
+
+
+def _can_skip(io: Any) -> bool:
+    """Can this IO skip a save (so rank 0 must tell the other ranks)? Configured alike on every rank."""
+    return bool(getattr(io, "async_save", False)) and getattr(io, "when_busy", None) == "skip"
+
+
+def _steps_until_check(remaining: float, step_time: float, world_size: int) -> int:
+    """Steps until the next time check: every step in one process (no collective to save), else a
+    ``_TIME_CHECK_SLOWDOWN_TOLERANCE``-th of the remaining time at the measured pace."""
+    if world_size == 1 or step_time <= 0:
+        return 1
+    return max(1, math.floor(remaining / (_TIME_CHECK_SLOWDOWN_TOLERANCE * step_time)))
+
+
+def _listing(dirpath: _PATH | None, depth: int) -> list[str]:
+    """Paths under ``dirpath`` down to ``depth`` folders below it (checkpoint directories are
+    entries, not descended into)."""
+    if dirpath is None or not os.path.isdir(dirpath):
+        return []
+    found: list[str] = []
+    folders = [os.path.normpath(os.fspath(dirpath))]
+    for level in range(depth + 1):
+        below = []
+        for folder in folders:
+            try:
+                entries = list(os.scandir(folder))
+            except OSError:  # removed or unreadable meanwhile: nothing of it is a known checkpoint
+                continue
+            for entry in entries:
+                found.append(os.path.normpath(entry.path))
+                if level < depth and entry.is_dir() and not os.path.exists(os.path.join(entry.path, fmt.MANIFEST_FILE)):
+                    below.append(entry.path)
+        folders = below
+    return sorted(found)
+
+
+def _explain_directory_error(exception: BaseException) -> None:
+    """A lightning_ckpt directory read by an IO that expects a file (``ckpt_path=`` given to a
+    Trainer without the plugin) raises a bare ``IsADirectoryError``: say what it is and how to
+    load it, keeping the exception's type."""
+    path = getattr(exception, "filename", None)
+    if not isinstance(exception, IsADirectoryError) or not isinstance(path, (str, os.PathLike)):
+        return
+    if os.path.isfile(os.path.join(path, fmt.MANIFEST_FILE)) and "lightning_ckpt" not in str(exception.strerror):
+        exception.strerror = (
+            f"{exception.strerror}: a lightning_ckpt checkpoint directory, which the Trainer's CheckpointIO cannot"
+            " read. Add the plugin, `Trainer(plugins=[lightning_ckpt.ShardedCheckpointIO()])`; outside a Trainer use"
+            " `lightning_ckpt.load_from_checkpoint(Model, path)`, or convert it with"
+            " `python -m lightning_ckpt convert DIR FILE.ckpt`"
+        )
+
+
+def _run_dir(trainer: pl.Trainer) -> str:
+    """``trainer.log_dir`` computed on this rank alone (the property broadcasts: rank 0 calls this)."""
+    if trainer.loggers:
+        logger = trainer.loggers[0]
+        folder = logger.log_dir if isinstance(logger, (TensorBoardLogger, CSVLogger)) else logger.save_dir
+        if folder:
+            return os.fspath(folder)
+    return os.fspath(trainer.default_root_dir)
 
 
 def _written(io: Any, filepath: str, stall: float) -> tuple[int | None, float | None]:

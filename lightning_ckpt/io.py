@@ -5,8 +5,6 @@ rank 0 only, so nothing here may run a collective; ``load_checkpoint`` runs on e
 ``teardown`` runs on every rank at the end of ``fit``/``validate``/``test``/``predict``.
 """
 
-from __future__ import annotations
-
 import atexit
 import functools
 from collections import deque

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 RECOVERED_WITHIN = 1.10  # a step is "back to normal" within 10% of the pre-save median
@@ -125,10 +126,12 @@ class SaveMonitor:
         record.recovery_steps = next((i for i, t in enumerate(after) if t <= limit), len(after))
         return True
 
-    def to_json(self, path: str) -> None:
+    def append_jsonl(self, path: str) -> None:
+        """Append this run's saves and step times as one JSON line (earlier runs' lines are kept)."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump({"saves": [r.as_dict() for r in self.records], "step_times_s": self.step_times}, f, indent=1)
+        line = json.dumps({"saves": [r.as_dict() for r in self.records], "step_times_s": self.step_times})
+        with open(path, "a") as f:
+            f.write(line + "\n")
 
     def plot(self, path: str) -> bool:
         """PNG of step time over training with the saves marked; False without matplotlib."""
@@ -170,7 +173,7 @@ def summary_table(records: list[SaveRecord]) -> Table:
     table = Table(title="checkpoint saves")
     columns = ("step", "checkpoint", "GB", "stall s", "durable s", "GB/s", "slowdown", "recovery", "RSS after GB")
     for column in columns:
-        table.add_column(column, justify="left" if column == "checkpoint" else "right")
+        table.add_column(column, justify="left" if column == "checkpoint" else "right", no_wrap=True)
     for r in records:
         table.add_row(
             str(r.global_step),
@@ -187,5 +190,13 @@ def summary_table(records: list[SaveRecord]) -> Table:
 
 
 def print_summary(records: list[SaveRecord], console: Console | None = None) -> None:
-    if records:
-        (console or Console()).print(summary_table(records))
+    """Print the summary table; off a terminal (piped, logged) the width fits the table, so no
+    checkpoint name is cut or wrapped."""
+    if not records:
+        return
+    table = summary_table(records)
+    console = console or Console()
+    if not console.is_terminal:
+        needed = Measurement.get(console, console.options.update(width=10_000), table).maximum
+        console = Console(file=console.file, width=max(needed, 20), force_terminal=False)
+    console.print(table)

@@ -1,6 +1,6 @@
-"""2-rank DDP on CPU: ShardedModelCheckpoint runs one collective per checkpoint file written (the
-barrier in Trainer.save_checkpoint) and none on other steps, where ModelCheckpoint adds barrier +
-all_reduce pairs for top-k and the version counter; both keep the same files."""
+"""2-rank DDP on CPU: ShardedModelCheckpoint runs no collective on a save step (one broadcast when
+the IO can skip saves) and none on other steps, where ModelCheckpoint runs barrier + all_reduce
+pairs for top-k and the version counter plus a barrier per file; both keep the same files."""
 
 from __future__ import annotations
 
@@ -30,8 +30,11 @@ def test_collectives_per_step(tmp_path):
     stock, ours = result["stock"], result["ours"]
     assert [s["saved"] for s in ours] == [s["saved"] for s in stock] and any(s["saved"] for s in ours)
     for step in ours:
-        # Only Trainer.save_checkpoint's barrier, once per checkpoint file (top-k file, last.ckpt).
-        assert step["collectives"] == ["barrier"] * len(step["files"]), step
+        assert step["collectives"] == [], step
+    skip = result["skip"]
+    assert [s["saved"] for s in skip] == [s["saved"] for s in stock]
+    for step in skip:  # at most one collective per save step, whatever top-k and save_last do
+        assert step["collectives"] == (["broadcast_object_list"] if step["saved"] else []), step
     stock_per_save = [len(s["collectives"]) for s in stock if s["saved"]]
     assert min(stock_per_save) >= 5, stock  # what the callback avoids (7 with top-k, version counter, last)
     assert all(not s["collectives"] for s in stock if not s["saved"])
@@ -45,7 +48,9 @@ def test_time_trigger_without_a_per_batch_broadcast(tmp_path):
     saves = sum(s["saved"] for s in ours)
     checks = sum(any(c.startswith("broadcast") for c in s["collectives"]) for s in ours)
     assert saves >= 2, ours
-    assert checks <= 3 * saves + 2 and checks < len(ours) / 2, (checks, saves, len(ours))
-    for step in ours:
-        assert [c for c in step["collectives"] if not c.startswith("broadcast")] == ["barrier"] * len(step["files"])
+    # Checks plan ahead a tenth of the remaining time (tests/unit/test_time_schedule.py measures
+    # how far); here it is enough that they skip steps at all, where stock broadcasts every batch.
+    assert checks < len(ours), (checks, saves, len(ours))
+    for step in ours:  # the time checks' broadcasts only
+        assert all(c.startswith("broadcast") for c in step["collectives"]), step
     assert len(result["ours_kept"]) >= 2 and "last.ckpt" in result["ours_kept"]

@@ -59,7 +59,7 @@ def test_keeps_the_same_checkpoints_as_model_checkpoint(config, tmp_path):
 
 
 def test_records_metrics_through_the_loggers(tmp_path):
-    logger = CSVLogger(tmp_path / "logs", name="run")
+    logger = CSVLogger(tmp_path / "logs", name="run", version=0)
     seed_everything(0)
     callback = lc.ShardedModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_top_k=-1, slowdown_window=2)
     trainer = Trainer(
@@ -79,7 +79,8 @@ def test_records_metrics_through_the_loggers(tmp_path):
     for name in ("ckpt/stall_s", "ckpt/bytes_gb", "ckpt/durable_s", "ckpt/write_gbps", "ckpt/host_rss_after_gb",
                  "ckpt/post_save_slowdown", "ckpt/post_save_recovery_steps"):
         assert name in logged, name
-    saved = json.loads((tmp_path / "ckpts" / "ckpt_metrics.json").read_text())
+    (line,) = (tmp_path / "logs" / "run" / "version_0" / "ckpt_metrics.jsonl").read_text().splitlines()
+    saved = json.loads(line)
     assert len(saved["saves"]) == len(records) and len(saved["step_times_s"]) >= 3 * STEPS_PER_EPOCH - 1
 
 

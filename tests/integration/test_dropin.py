@@ -1,0 +1,145 @@
+"""ShardedModelCheckpoint as a drop-in for ModelCheckpoint: the cases a new user hit, each against
+what a stock ModelCheckpoint does (real Trainer on CPU)."""
+
+import glob
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from models import STEPS_PER_EPOCH, TinyRegressor, trainer_kwargs
+
+import lightning_ckpt as lc
+
+
+def _fit(callback, plugins=None, epochs=1, model=None, ckpt_path=None, **overrides):
+    seed_everything(0)
+    trainer = Trainer(max_epochs=epochs, callbacks=[callback], plugins=plugins or [], **trainer_kwargs(**overrides))
+    trainer.fit(model or TinyRegressor(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def _checkpoints(folder) -> list[str]:
+    """Every checkpoint under ``folder`` (also in sub-folders), relative to it."""
+    found = glob.glob(os.path.join(folder, "**", "*.ckpt"), recursive=True)
+    return sorted(os.path.relpath(p, folder) for p in found if not os.path.dirname(os.path.relpath(p, folder)).endswith(".ckpt"))
+
+
+_RUN = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    from lightning.pytorch import Trainer, seed_everything
+    from models import TinyRegressor, trainer_kwargs
+    import lightning_ckpt as lc
+    seed_everything(0)
+    callback = lc.ShardedModelCheckpoint(dirpath={dirpath!r}, filename="{{epoch}}/model", save_last=True)
+    Trainer(max_epochs=1, callbacks=[callback], plugins=[lc.ShardedCheckpointIO()], **trainer_kwargs()).fit(TinyRegressor())
+    """
+)
+
+
+def test_a_second_run_with_a_sub_folder_filename_keeps_the_first_runs_checkpoint(tmp_path):
+    """Two runs (two processes) into one folder with filename="{epoch}/model": the second one
+    must not overwrite epoch=0/model.ckpt (the version counter sees files in sub-folders)."""
+    for _ in range(2):
+        stock = ModelCheckpoint(dirpath=tmp_path / "stock", filename="{epoch}/model", save_last=True)
+        _fit(stock, plugins=[lc.ShardedCheckpointIO()])
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = _RUN.format(tests=tests, dirpath=str(tmp_path / "ours"))
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path, capture_output=True, timeout=300)
+    assert _checkpoints(tmp_path / "ours") == _checkpoints(tmp_path / "stock")
+    assert {"epoch=0/model.ckpt", "epoch=0/model-v1.ckpt"} <= set(_checkpoints(tmp_path / "ours"))
+
+
+def test_the_record_follows_the_filesystem_not_an_earlier_fit(tmp_path):
+    """Fit, delete the folder, fit again in the same process: the same names as the first time."""
+    dirpath = tmp_path / "ckpts"
+    _fit(lc.ShardedModelCheckpoint(dirpath=dirpath, save_last=True), plugins=[lc.ShardedCheckpointIO()])
+    first = _checkpoints(dirpath)
+    shutil.rmtree(dirpath)
+    _fit(lc.ShardedModelCheckpoint(dirpath=dirpath, save_last=True), plugins=[lc.ShardedCheckpointIO()])
+    assert _checkpoints(dirpath) == first == sorted([f"epoch=0-step={STEPS_PER_EPOCH}.ckpt", "last.ckpt"])
+
+
+class _Heavy(TinyRegressor):
+    """~32 MB of state, so that a rate-capped async write outlasts several training steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ballast", torch.zeros(8_000_000))
+
+
+def test_skipped_saves_leave_the_callback_as_if_they_had_not_been_requested(tmp_path):
+    dirpath = tmp_path / "ckpts"
+    callback = lc.ShardedModelCheckpoint(
+        dirpath=dirpath, every_n_train_steps=1, save_top_k=2, monitor="train_loss", save_last=True
+    )
+    io = lc.ShardedCheckpointIO(async_save=True, when_busy="skip", max_write_rate="64MB")
+    with pytest.warns(UserWarning, match="Skipped checkpoint"):
+        trainer = _fit(callback, plugins=[io], epochs=3, model=_Heavy())
+    assert io.skipped_saves > 0
+    on_disk = set(_checkpoints(dirpath))
+    tracked = {os.path.basename(p) for p in callback.best_k_models}
+    assert tracked | {"last.ckpt"} == on_disk, (tracked, on_disk)
+    assert os.path.isdir(callback.best_model_path) and os.path.isdir(callback.last_model_path)
+    assert callback.best_model_score == min(callback.best_k_models.values())
+    # Every recorded save was written (became durable); skipped ones are not records.
+    records = callback.save_records
+    assert records and all(r["durable_s"] is not None for r in records)
+    # The checkpoint state agrees with what is on disk.
+    state = lc.load_checkpoint(dirpath / "last.ckpt")["callbacks"][callback.state_key]
+    assert all(os.path.isdir(p) for p in state["best_k_models"])
+    trainer.validate(_Heavy(), ckpt_path="best")
+
+
+def test_metrics_go_to_the_log_folder_and_accumulate_across_resumes(tmp_path):
+    dirpath = tmp_path / "ckpts"
+    for epochs, ckpt_path in ((1, None), (2, "last")):
+        logger = CSVLogger(tmp_path / "logs", name="run", version=0)
+        callback = lc.ShardedModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1, save_last=True)
+        _fit(callback, plugins=[lc.ShardedCheckpointIO()], epochs=epochs, ckpt_path=ckpt_path, logger=logger)
+    assert all(name.endswith(".ckpt") for name in os.listdir(dirpath))  # nothing but checkpoints
+    lines = (tmp_path / "logs" / "run" / "version_0" / "ckpt_metrics.jsonl").read_text().splitlines()
+    runs = [json.loads(line) for line in lines]
+    assert len(runs) == 2 and all(run["saves"] and run["step_times_s"] for run in runs)
+    assert runs[0]["saves"][0]["global_step"] == 2 and runs[1]["saves"][-1]["global_step"] == 2 * STEPS_PER_EPOCH
+
+
+def test_the_summary_follows_verbose_and_is_not_cut_when_piped(tmp_path, capsys):
+    _fit(lc.ShardedModelCheckpoint(dirpath=tmp_path / "quiet", every_n_train_steps=2), plugins=[lc.ShardedCheckpointIO()])
+    assert "checkpoint saves" not in capsys.readouterr().out
+    long_name = "a-rather-long-checkpoint-file-name-{epoch}-{step}-that-is-wider-than-eighty-columns-by-itself"
+    callback = lc.ShardedModelCheckpoint(dirpath=tmp_path / "loud", filename=long_name, every_n_train_steps=2, verbose=True)
+    _fit(callback, plugins=[lc.ShardedCheckpointIO()])
+    out = capsys.readouterr().out
+    assert "checkpoint saves" in out
+    assert os.path.basename(callback.save_records[-1]["path"]) in out  # whole, on one line
+
+
+def test_a_checkpoint_directory_without_the_plugin_says_how_to_load_it(tmp_path):
+    dirpath = tmp_path / "ckpts"
+    _fit(lc.ShardedModelCheckpoint(dirpath=dirpath, save_last=True), plugins=[lc.ShardedCheckpointIO()])
+    with pytest.raises(IsADirectoryError, match=r"lightning_ckpt checkpoint directory.*ShardedCheckpointIO"):
+        _fit(lc.ShardedModelCheckpoint(dirpath=dirpath), epochs=2, ckpt_path=str(dirpath / "last.ckpt"))
+
+
+@pytest.mark.parametrize("cls", [lc.ShardedModelCheckpoint, lc.ShardedCheckpointIO])
+def test_public_classes_introspect_like_lightnings(cls):
+    """Real, evaluated annotations on __init__ (LightningCLI / jsonargparse read them)."""
+    from jsonargparse import ArgumentParser
+
+    annotations = [p.annotation for p in inspect.signature(cls.__init__).parameters.values()]
+    assert not any(isinstance(a, str) for a in annotations)
+    parser = ArgumentParser()
+    parser.add_class_arguments(cls, "obj")
+    parser.parse_args([])
