@@ -11,7 +11,8 @@ samples ``VmRSS`` and ``RssAnon`` every 20 ms (and the exact VmHWM peak). Conten
 * loads of both: ``load_checkpoint`` with the page cache dropped, then every tensor copied into
   preallocated parameters and optimizer state (what ``load_state_dict`` costs).
 
-Medians over ``--repeats`` (each repeat a fresh child per measurement) go to a rich table and JSON::
+Medians over ``--repeats`` (each repeat a fresh child per measurement) go to a rich table; the
+full JSON only with ``--json PATH`` (a file) or ``--json`` / ``--json -`` (stdout, table on stderr)::
 
     python -m lightning_ckpt.bench --sizes 0.5GB,3GB --repeats 3 --json bench-results/bench.json
 
@@ -732,7 +733,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_DIR,
         help=f"where checkpoints are written, on the filesystem under test (default ./{DEFAULT_DIR})",
     )
-    parser.add_argument("--json", dest="json_path", default=None, help="also write the results JSON here")
+    add_json_argument(parser)
     parser.add_argument(
         "--max-shard-size", default=None, help="ShardedCheckpointIO max_shard_size (default: the plugin's default)"
     )
@@ -783,24 +784,47 @@ def report_header(argv: list[str] | None, started: float) -> dict[str, Any]:
     }
 
 
+def add_json_argument(parser: argparse.ArgumentParser) -> None:
+    """``--json [PATH]``: the results JSON only when asked for; ``--json`` or ``--json -`` is stdout."""
+    parser.add_argument(
+        "--json",
+        dest="json_path",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help="also write the results JSON (every run's values, the machine, the command) to PATH;"
+        " `--json` alone or `--json -` prints it on stdout instead (the table then goes to stderr)",
+    )
+
+
 def emit_report(table: Any, report: dict[str, Any], json_path: str | None) -> None:
-    """Print the rich table, then the JSON (also written to ``json_path``)."""
+    """Print the rich table; the JSON only when ``json_path`` asks for it.
+
+    ``json_path``: ``None`` (the table alone, on stdout), ``"-"`` (the JSON document alone on
+    stdout, so it can be piped; the table on stderr), or a file to write the JSON to.
+    """
     from rich.console import Console
 
-    console = Console()
+    to_stdout = json_path == "-"
+    console = Console(stderr=to_stdout)
     if not console.is_terminal:  # piped: do not squeeze the table into 80 columns
-        console = Console(width=170)
+        console = Console(stderr=to_stdout, width=170)
     console.print(table)
+    if json_path is None:
+        return
     text = json.dumps(report, indent=2)
-    print(text)
-    if json_path:
-        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-        with open(json_path, "w") as f:
-            f.write(text + "\n")
+    if to_stdout:
+        print(text)
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    with open(json_path, "w") as f:
+        f.write(text + "\n")
+    Console(stderr=True).print(f"[dim]results JSON written to {json_path}[/dim]", highlight=False)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; print a table and the JSON. Returns 0, or 1 if any measurement failed.
+    """Run the benchmark; print a table (and the JSON with ``--json``). Returns 0, or 1 if any measurement failed.
 
     ``--mode async`` hands the other arguments to :func:`lightning_ckpt.bench_async.main`.
     """

@@ -823,7 +823,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=bench.DEFAULT_DIR,
         help=f"where checkpoints are written, on the filesystem under test (default ./{bench.DEFAULT_DIR})",
     )
-    parser.add_argument("--json", dest="json_path", default=None, help="also write the results JSON here")
+    bench.add_json_argument(parser)
     parser.add_argument("--timeout", type=float, default=1800.0, help="limit per training-loop run, seconds (default 1800)")
     parser.add_argument(
         "--max-write-rate", default=None, help="ShardedCheckpointIO(max_write_rate=...) for sharded_async, e.g. 1GB (per second)"
@@ -832,7 +832,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the async benchmark; print a table and the JSON. Returns 0, 1 if a measurement failed, 2 on bad setup."""
+    """Run the async benchmark; print a table (and the JSON with ``--json``). Returns 0, 1 if a measurement failed, 2 on bad setup."""
     from lightning_ckpt.plan import parse_size
 
     parser = build_parser()

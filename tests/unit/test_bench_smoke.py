@@ -47,7 +47,32 @@ def test_bench_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert {"save_seconds", "save_peak_rss", "load_seconds", "load_peak_rss", "load_peak_rss_anon"} <= ratios.keys()
     assert ratios["save_seconds"] > 0 and ratios["load_seconds"] > 0
 
-    # The same JSON went to stdout after the table; every checkpoint written was removed.
+    # The table went to stdout, the JSON only to the file; every checkpoint written was removed.
     out = capsys.readouterr().out
-    assert json.loads(out[out.index("\n{") + 1 :]) == report
+    assert "3MB" in out and "{" not in out
     assert not ckpt_dir.exists() or not any(ckpt_dir.rglob("*"))
+
+
+def test_json_only_when_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from rich.table import Table
+
+    parser = bench.build_parser()
+    assert parser.parse_args([]).json_path is None
+    assert parser.parse_args(["--json"]).json_path == "-"
+    assert parser.parse_args(["--json", "-", "--repeats", "1"]).json_path == "-"
+    assert parser.parse_args(["--json", "r.json"]).json_path == "r.json"
+    table, report = Table("size"), {"results": [{"size": "3MB"}]}
+    table.add_row("3MB")
+
+    bench.emit_report(table, report, None)  # no --json: the table alone
+    captured = capsys.readouterr()
+    assert "3MB" in captured.out and "{" not in captured.out + captured.err
+
+    bench.emit_report(table, report, "-")  # --json: stdout is the JSON document, the table on stderr
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == report and "3MB" in captured.err
+
+    bench.emit_report(table, report, str(tmp_path / "out" / "r.json"))  # --json PATH: the file
+    captured = capsys.readouterr()
+    assert "3MB" in captured.out and "{" not in captured.out
+    assert json.loads((tmp_path / "out" / "r.json").read_text()) == report
