@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import json
 import mmap
@@ -39,6 +40,7 @@ from lightning_ckpt.plan import contiguous_strides, decode_tree, format_key_path
 MapLocation = Union[None, str, torch.device, dict[str, str], Callable[..., Any]]
 _VERIFY_CHUNK = 16 * 2**20
 _HASH_READ_AHEAD = 4  # chunks the kernel is asked to read ahead of the hash of a mapped shard
+_HASH_THREADS = 4  # shards hashed at once on load (bounded by the CPU count and the shard count)
 _T = TypeVar("_T")
 
 
@@ -270,6 +272,40 @@ def _open_shard(directory: _Dir, name: str, expected: tuple[str, str] | None = N
     return _Shard(mapped, data_start, entries)
 
 
+def _open_verified(directory: _Dir, manifest: fmt.Manifest) -> dict[str, _Shard]:
+    """Hash every listed file before any tensor exists; map the shards (returned, by name).
+
+    Shards are hashed on a few threads at once (the digests release the GIL), so a checkpoint of
+    several shards is verified at several times one core's hashing speed. A damaged file raises
+    ``CorruptCheckpointError`` naming it (the first in manifest order when several are damaged).
+    """
+    path, algorithm = directory.path, manifest.checksum
+    shard_files = {name for files in manifest.components.values() for name in files}
+    for name, record in manifest.files.items():
+        if name not in shard_files and name != manifest.metadata_file:  # small: the model index
+            found = fmt.digest(directory.read(name), algorithm)
+            if found != record.digest:
+                raise CorruptCheckpointError(damaged_message(path, name, algorithm, record.digest, found), path, name)
+    names = [name for name in manifest.files if name in shard_files]
+    workers = max(1, min(len(names), os.cpu_count() or 1, _HASH_THREADS))
+    shards: dict[str, _Shard] = {}
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lightning_ckpt-verify") as pool:
+        futures = {
+            name: pool.submit(_open_shard, directory, name, (algorithm, manifest.files[name].digest)) for name in names
+        }
+        failure: BaseException | None = None
+        for name in names:  # every future is collected, so no mapping is left behind
+            try:
+                shards[name] = futures[name].result()
+            except BaseException as err:
+                failure = failure or err
+    if failure is not None:
+        for shard in shards.values():
+            shard.mapped.close()
+        raise failure
+    return shards
+
+
 def _mapped_digest(mapped: mmap.mmap, algorithm: str) -> str:
     """Digest of a whole mapped file, asking the kernel to read ahead of the hash.
 
@@ -336,15 +372,7 @@ def _load(directory: _Dir, map_location: MapLocation, weights_only: bool | None,
 
     shards: dict[str, _Shard] = {}
     if verify_checksums:
-        # Every listed file, before any tensor exists: a damaged byte raises here, naming its file.
-        shard_files = {name for files in manifest.components.values() for name in files}
-        for name, record in manifest.files.items():
-            if name in shard_files:
-                shards[name] = _open_shard(directory, name, (algorithm, record.digest))
-            elif name != manifest.metadata_file:
-                found = fmt.digest(directory.read(name), algorithm)
-                if found != record.digest:
-                    raise CorruptCheckpointError(damaged_message(path, name, algorithm, record.digest, found), path, name)
+        shards = _open_verified(directory, manifest)
     blobs: dict[tuple[str, str, str], torch.Tensor] = {}  # (file, blob, device) -> uint8 tensor
 
     def blob_bytes(file: str, name: str, device: torch.device) -> torch.Tensor:
