@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 
 def assert_positive_medians(summary: dict, *keys: str, runs: int = 1) -> None:
@@ -20,3 +21,17 @@ def process_alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def wait_until_gone(pid: int, timeout: float) -> bool:
+    """Poll until ``pid`` is gone; False if it is still running after ``timeout`` seconds.
+
+    A process that was told to exit (or killed) takes a scheduler-dependent time to go: on a loaded
+    machine far longer than any fixed sleep. Poll with a generous deadline instead of sleeping.
+    """
+    deadline = time.monotonic() + timeout
+    while process_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

@@ -1,8 +1,14 @@
 """Run by test_crash.py: trains forever, saving every step, until it is SIGKILLed.
 
-argv: OUT MODE(sync|async) PIDFILE. Top-k (monitored) + save_last, so every step both writes
-new checkpoints and removes old ones. PIDFILE appears once this run trains and saves; it holds
-the async writer's pid (empty for sync).
+argv: OUT MODE(sync|async) PIDFILE WAIT_FOR(started|committed). Top-k (monitored) + save_last, so
+every step both writes new checkpoints and removes old ones. PIDFILE appears once the test may
+kill this run; it holds the async writer's pid (empty for sync):
+
+* ``started``: after the first step. Sync, its checkpoints are committed; async, they were handed
+  to the writer process, which may still be starting or writing them (a kill lands in the first
+  saves: the top-k file of step 1 may be committed and its ``last`` not yet).
+* ``committed``: once this run's ``last`` checkpoint is committed (its directory exists under the
+  final name), so a kill lands in the steady state of saves and removals.
 """
 
 from __future__ import annotations
@@ -21,15 +27,20 @@ import lightning_ckpt as lc  # noqa: E402
 
 
 class Pace(Callback):
-    def __init__(self, io: lc.ShardedCheckpointIO, pid_file: str) -> None:
-        self.io, self.pid_file = io, pid_file
+    def __init__(
+        self, io: lc.ShardedCheckpointIO, checkpoint: lc.ShardedModelCheckpoint, pid_file: str, wait_for: str
+    ) -> None:
+        self.io, self.checkpoint, self.pid_file, self.wait_for = io, checkpoint, pid_file, wait_for
 
-    def on_train_batch_end(self, *args) -> None:
-        # The marker says "this run is training and saving" (async: and its writer is running).
-        pid = self.io._worker.pid
-        if (pid is not None or not self.io.async_save) and not os.path.exists(self.pid_file):
+    def on_train_batch_end(self, trainer, *args) -> None:
+        # Lightning runs checkpoint callbacks after the others: at the end of step 2, step 1's
+        # saves have returned (sync: committed; async: staged, and the writer process runs).
+        ready = trainer.global_step >= 2
+        if self.wait_for == "committed":  # a directory under its final name is a committed one
+            ready = ready and bool(self.checkpoint.last_model_path) and os.path.isdir(self.checkpoint.last_model_path)
+        if ready and not os.path.exists(self.pid_file):
             with open(self.pid_file + ".tmp", "w") as f:
-                f.write(str(pid or ""))
+                f.write(str(self.io._worker.pid or ""))
             os.replace(self.pid_file + ".tmp", self.pid_file)
         time.sleep(0.01)
 
@@ -46,7 +57,7 @@ class Ballast(TinyRegressor):
         return super().training_step(batch, batch_idx)
 
 
-def main(out: str, mode: str, pid_file: str) -> None:
+def main(out: str, mode: str, pid_file: str, wait_for: str) -> None:
     seed_everything(0)
     io = lc.ShardedCheckpointIO(async_save=mode == "async")
     checkpoint = lc.ShardedModelCheckpoint(
@@ -58,9 +69,10 @@ def main(out: str, mode: str, pid_file: str) -> None:
         metrics_file=None,
         release_memory=False,  # keep each step's time in the saves, where the kills should land
     )
-    trainer = Trainer(max_epochs=100_000, callbacks=[checkpoint, Pace(io, pid_file)], plugins=[io], **trainer_kwargs())
+    pace = Pace(io, checkpoint, pid_file, wait_for)
+    trainer = Trainer(max_epochs=100_000, callbacks=[checkpoint, pace], plugins=[io], **trainer_kwargs())
     trainer.fit(Ballast())
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
