@@ -25,7 +25,8 @@ OUT = os.path.abspath("demo-output")
 
 
 class Regressor(LightningModule):
-    """A ~8M-parameter MLP: big enough that a checkpoint (weights + AdamW state) is ~100 MB."""
+    """A 6.3M-parameter MLP (the defaults): big enough that a checkpoint is 76 MB (25 MB of fp32
+    weights + 51 MB of AdamW moments), split into 20 MB shards; the figures the demo prints."""
 
     def __init__(self, width: int = 1024, depth: int = 8) -> None:
         super().__init__()
@@ -54,6 +55,7 @@ class Regressor(LightningModule):
 def trainer(max_epochs: int) -> Trainer:
     return Trainer(
         max_epochs=max_epochs,
+        default_root_dir=OUT,  # run files (the save metrics' JSON lines) go beside the checkpoints
         accelerator="cpu",
         logger=False,
         enable_progress_bar=False,

@@ -57,9 +57,11 @@ def test_shipped_example_config_runs(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    kept = sorted(n for n in os.listdir(tmp_path / "checkpoints") if n.endswith(".ckpt"))
+    assert os.listdir(tmp_path) == ["demo-output"]  # what .gitignore ignores in the repository
+    out = tmp_path / "demo-output" / "cli" / "checkpoints"
+    kept = sorted(n for n in os.listdir(out) if n.endswith(".ckpt"))
     assert "last.ckpt" in kept and len(kept) == 3, kept  # top-2 by train_loss + last
     for name in kept:
-        lc.verify_checkpoint(tmp_path / "checkpoints" / name)
-    assert (tmp_path / "checkpoints" / "ckpt_metrics.json").exists()
+        lc.verify_checkpoint(out / name)
+    assert (tmp_path / "demo-output" / "cli" / "ckpt_metrics.jsonl").exists()  # the run folder: default_root_dir
     assert "ckpt" in proc.stdout and "checkpoint saves" in proc.stdout  # rich per-save lines and summary
