@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all bench clean
+.PHONY: install demo test test-all bench clean parity
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,19 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m lightning_ckpt bench --json docs/bench-results.json
+
+# Lightning's own checkpoint tests, stock and with our callback / CheckpointIO (tests/parity/run.py).
+# Not part of `test`. No PyPI sdist ships Lightning's tests, so they come from a clone:
+#   git clone --filter=blob:none https://github.com/Lightning-AI/pytorch-lightning ~/pytorch-lightning
+#   make parity LIGHTNING_SRC=~/pytorch-lightning [LIGHTNING_REF=2.6.6]  (default: the installed version)
+# Extra test dependencies go into $(VENV) with the installed torch and lightning pinned.
+PARITY_ARGS ?=
+parity: $(STAMP)
+	@test -n "$(LIGHTNING_SRC)" || { echo "make parity LIGHTNING_SRC=/path/to/pytorch-lightning (see the Makefile)"; exit 2; }
+	mkdir -p tests/parity/.cache
+	$(PY) -m pip freeze | grep -iE '^(torch|lightning|pytorch-lightning)==' > tests/parity/.cache/constraints.txt
+	$(PY) -m pip install --quiet -c tests/parity/.cache/constraints.txt -r tests/parity/requirements.txt
+	$(PY) tests/parity/run.py --src "$(LIGHTNING_SRC)" $(if $(LIGHTNING_REF),--ref "$(LIGHTNING_REF)") $(PARITY_ARGS)
 
 clean:
 	rm -rf $(VENV) demo-output bench-results .pytest_cache *.egg-info
