@@ -95,12 +95,12 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         cuda_fragmentation_threshold: empty the CUDA cache when more than this share of reserved
             memory is unallocated.
         slowdown_window: steps before/after a save compared for the post-save slowdown.
-        metrics_file: JSON-lines file, in the run's log folder (``trainer.log_dir``: the logger's
-            folder, else ``default_root_dir``), to which each ``fit`` appends one line with every
-            save's record and the step times; ``None`` to skip. Nothing is written to ``dirpath``
-            but checkpoints.
-        plot: also write ``ckpt_step_times.png`` (step time with saves marked) to the run's log
-            folder if matplotlib is installed.
+        metrics_file: JSON-lines file in the first logger's run folder (``trainer.log_dir``), to
+            which each ``fit`` appends one line with every save's record and the step times;
+            ``None`` to skip. Without a logger nothing is written (``save_records`` still holds
+            them), and never anything but checkpoints in ``dirpath``.
+        plot: also write ``ckpt_step_times.png`` (step time with saves marked) to the run folder
+            if matplotlib is installed.
         compile_safe: save state-dict keys without ``_orig_mod.`` and let the module load keys in
             either form, so checkpoints move between compiled and uncompiled models.
 
@@ -494,6 +494,8 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         if self.verbose:
             print_summary(self._monitor.records)
         run_dir = _run_dir(trainer)
+        if run_dir is None or _same_folder(run_dir, self.dirpath):
+            return  # no run folder, or it is the checkpoint folder: nothing but checkpoints there
         if self.metrics_file:
             self._monitor.append_jsonl(os.path.join(run_dir, self.metrics_file))
         if self.plot:
@@ -582,14 +584,19 @@ def _explain_directory_error(exception: BaseException) -> None:
         )
 
 
-def _run_dir(trainer: pl.Trainer) -> str:
-    """``trainer.log_dir`` computed on this rank alone (the property broadcasts: rank 0 calls this)."""
-    if trainer.loggers:
-        logger = trainer.loggers[0]
-        folder = logger.log_dir if isinstance(logger, (TensorBoardLogger, CSVLogger)) else logger.save_dir
-        if folder:
-            return os.fspath(folder)
-    return os.fspath(trainer.default_root_dir)
+def _run_dir(trainer: pl.Trainer) -> str | None:
+    """The first logger's run folder, as ``trainer.log_dir`` finds it but on this rank alone (the
+    property broadcasts; rank 0 calls this); ``None`` without a logger (Lightning then writes no
+    run files either)."""
+    if not trainer.loggers:
+        return None
+    logger = trainer.loggers[0]
+    folder = logger.log_dir if isinstance(logger, (TensorBoardLogger, CSVLogger)) else logger.save_dir
+    return None if folder is None else os.fspath(folder)
+
+
+def _same_folder(a: _PATH, b: _PATH | None) -> bool:
+    return b is not None and os.path.abspath(a) == os.path.abspath(b)
 
 
 def _written(io: Any, filepath: str, stall: float) -> tuple[int | None, float | None]:

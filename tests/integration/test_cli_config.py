@@ -63,5 +63,6 @@ def test_shipped_example_config_runs(tmp_path):
     assert "last.ckpt" in kept and len(kept) == 3, kept  # top-2 by train_loss + last
     for name in kept:
         lc.verify_checkpoint(out / name)
-    assert (tmp_path / "demo-output" / "cli" / "ckpt_metrics.jsonl").exists()  # the run folder: default_root_dir
+    run = tmp_path / "demo-output" / "cli" / "lightning_logs" / "version_0"  # the CSVLogger's run folder
+    assert (run / "ckpt_metrics.jsonl").exists() and "ckpt/stall_s" in (run / "metrics.csv").read_text()
     assert "ckpt" in proc.stdout and "checkpoint saves" in proc.stdout  # rich per-save lines and summary

@@ -115,6 +115,13 @@ def test_metrics_go_to_the_log_folder_and_accumulate_across_resumes(tmp_path):
     assert runs[0]["saves"][0]["global_step"] == 2 and runs[1]["saves"][-1]["global_step"] == 2 * STEPS_PER_EPOCH
 
 
+def test_without_a_logger_nothing_but_checkpoints_is_written(tmp_path):
+    """Lightning's own tests put dirpath == default_root_dir with logger=False and list the folder."""
+    callback = lc.ShardedModelCheckpoint(dirpath=tmp_path / "run", every_n_train_steps=2, save_top_k=-1, save_last=True)
+    _fit(callback, plugins=[lc.ShardedCheckpointIO()], default_root_dir=tmp_path / "run")
+    assert callback.save_records and all(name.endswith(".ckpt") for name in os.listdir(tmp_path / "run"))
+
+
 def test_the_summary_follows_verbose_and_is_not_cut_when_piped(tmp_path, capsys):
     _fit(lc.ShardedModelCheckpoint(dirpath=tmp_path / "quiet", every_n_train_steps=2), plugins=[lc.ShardedCheckpointIO()])
     assert "checkpoint saves" not in capsys.readouterr().out
