@@ -24,6 +24,10 @@ __version__ = "0.1.0"
 # Names that need Lightning are imported on first use, so the writer process (which only writes
 # bytes) starts without importing Lightning.
 _LAZY = {
+    "ActivationCheckpointing": "lightning_ckpt.activation",
+    "ActivationCheckpointingError": "lightning_ckpt.activation",
+    "apply_activation_checkpointing": "lightning_ckpt.activation",
+    "remove_activation_checkpointing": "lightning_ckpt.activation",
     "ShardedCheckpointIO": "lightning_ckpt.io",
     "ShardedModelCheckpoint": "lightning_ckpt.callback",
     "load_checkpoint": "lightning_ckpt.io",
@@ -34,6 +38,12 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from lightning_ckpt.activation import (
+        ActivationCheckpointing,
+        ActivationCheckpointingError,
+        apply_activation_checkpointing,
+        remove_activation_checkpointing,
+    )
     from lightning_ckpt.callback import ShardedModelCheckpoint
     from lightning_ckpt.io import (
         ShardedCheckpointIO,
@@ -59,6 +69,8 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "FORMAT_VERSION",
+    "ActivationCheckpointing",
+    "ActivationCheckpointingError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointWriteError",
@@ -67,8 +79,10 @@ __all__ = [
     "ShardedModelCheckpoint",
     "UnsafeCheckpointError",
     "UnsupportedFormatError",
+    "apply_activation_checkpointing",
     "load_checkpoint",
     "load_from_checkpoint",
+    "remove_activation_checkpointing",
     "remove_checkpoint",
     "save_checkpoint",
     "verify_checkpoint",
