@@ -1,0 +1,150 @@
+"""Run by test_activation.py as a script (Lightning's launcher re-executes it for rank 1).
+
+``argv[2]`` picks the strategy: ``ddp`` or ``fsdp2`` (``ModelParallelStrategy``, FSDP2
+``fully_shard`` of every block and the root inside ``configure_model``), 2 CPU ranks over gloo.
+Fits a few steps without activation checkpointing, with the ``ActivationCheckpointing`` callback,
+and (fsdp2) with ``apply_activation_checkpointing`` called in ``configure_model`` before
+``fully_shard``; rank 0 writes a JSON report to ``argv[1]`` comparing losses and full weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_ckpt as lc
+from lightning_ckpt.activation import checkpointed_paths
+
+DIM, VOCAB, LAYERS, STEPS = 16, 32, 2, 3
+STRATEGY = sys.argv[2]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(DIM)
+        self.fc1 = nn.Linear(DIM, 4 * DIM)
+        self.fc2 = nn.Linear(4 * DIM, DIM)
+        self.drop = nn.Dropout(0.2)
+        self.runs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln(x)))))
+
+
+class Decoder(LightningModule):
+    def __init__(self, helper: bool = False) -> None:
+        super().__init__()
+        self.helper = helper
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+        self.blocks: nn.ModuleList | None = None
+        self.losses: list[float] = []
+        self.seen_checkpointed: list[str] = []
+
+    def configure_model(self) -> None:
+        if self.blocks is not None:
+            return
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        if self.helper:  # explicitly before fully_shard
+            lc.apply_activation_checkpointing(self, {Block})
+        if STRATEGY == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def training_step(self, batch, batch_idx):
+        (idx,) = batch
+        if batch_idx == 0:
+            self.seen_checkpointed = checkpointed_paths(self)
+        loss = F.cross_entropy(self(idx).flatten(0, 1), idx.flatten())
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        idx = torch.randint(0, VOCAB, (4 * STEPS * 2, 8), generator=torch.Generator().manual_seed(3))
+        return DataLoader(TensorDataset(idx), batch_size=4)
+
+
+def fit(callbacks=(), helper: bool = False) -> tuple[Trainer, Decoder]:
+    seed_everything(0, workers=True)
+    if STRATEGY == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    else:
+        strategy = "ddp"
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        deterministic=True,
+        callbacks=list(callbacks),
+    )
+    model = Decoder(helper=helper)
+    trainer.fit(model)
+    return trainer, model
+
+
+def full_weights(model: Decoder) -> list[torch.Tensor]:
+    """Every parameter as a full tensor (FSDP2's DTensors are gathered: a collective)."""
+    return [
+        (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone() for t in model.state_dict().values()
+    ]
+
+
+def main(report: str) -> None:
+    plain_trainer, plain = fit()
+    runs = {"callback": fit([lc.ActivationCheckpointing(policy={Block})])}
+    if STRATEGY == "fsdp2":
+        runs["helper"] = fit(helper=True)
+    reference = full_weights(plain)
+    result = {"world_size": plain_trainer.world_size, "keys": list(plain.state_dict())}
+    for name, (trainer, model) in runs.items():
+        weights = full_weights(model)
+        result[name] = {
+            "losses_equal": model.losses == plain.losses,
+            "weights_equal": all(torch.equal(a, b) for a, b in zip(weights, reference)),
+            "keys_equal": list(model.state_dict()) == result["keys"],
+            "checkpointed": model.seen_checkpointed,
+            "block_runs": [b.runs for b in model.blocks],
+            "removed_after_fit": checkpointed_paths(model) == [] if name == "callback" else None,
+        }
+    # Every rank must reach the same verdicts (rank 1's losses are on its own half of the data).
+    verdicts = torch.tensor([int(r["losses_equal"] and r["weights_equal"]) for r in result.values() if isinstance(r, dict)])
+    gathered = plain_trainer.strategy.all_gather(verdicts)
+    result["all_ranks_equal"] = bool(gathered.all())
+    result["plain_block_runs"] = [b.runs for b in plain.blocks]
+    if plain_trainer.global_rank == 0:
+        with open(report, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    main(sys.argv[1])

@@ -1,0 +1,42 @@
+"""ActivationCheckpointing with DDP and with ModelParallelStrategy (FSDP2) on 2 CPU ranks (gloo):
+bit-identical losses and full weights, unchanged keys, recompute observed, removed after fit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_cpu_ranks_train_bit_identically_with_activation_checkpointing(tmp_path, strategy):
+    report = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(os.path.dirname(__file__), "activation_fit.py"), str(report), strategy],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(report.read_text())
+    assert result["world_size"] == 2
+    assert "blocks.0.fc1.weight" in result["keys"]  # no "_checkpoint_wrapped_module" anywhere
+    assert result["plain_block_runs"] == [3, 3]
+    # The callback applies after the strategy's setup (FSDP2: after fully_shard); the helper in
+    # configure_model applies before fully_shard. Both train exactly as without checkpointing.
+    for run in ["callback", "helper"] if strategy == "fsdp2" else ["callback"]:
+        assert result[run]["losses_equal"] and result[run]["weights_equal"], run
+        assert result[run]["keys_equal"], run
+        assert result[run]["checkpointed"] == ["blocks.0", "blocks.1"], run
+        assert result[run]["block_runs"] == [6, 6], run  # forward + recompute, every step
+    assert result["callback"]["removed_after_fit"]
+    assert result["all_ranks_equal"]
