@@ -16,7 +16,8 @@ full JSON only with ``--json PATH`` (a file) or ``--json`` / ``--json -`` (stdou
 
     python -m lightning_ckpt.bench --sizes 0.5GB,3GB --repeats 3 --json bench-results/bench.json
 
-``--mode async`` runs the training-loop benchmark of async saves instead (``bench_async.py``).
+``--mode async`` runs the training-loop benchmark of async saves instead (``bench_async.py``);
+``--mode activations`` the activation checkpointing benchmark (``bench_activations.py``).
 """
 
 from __future__ import annotations
@@ -703,11 +704,11 @@ def _parse_sizes(text: str) -> list[tuple[str, int]]:
     return sizes
 
 
-MODES = ("save", "async")
+MODES = ("save", "async", "activations")
 
 
 def split_mode(argv: list[str]) -> tuple[str, list[str]]:
-    """``--mode save|async`` (default ``save``) and the other arguments."""
+    """``--mode save|async|activations`` (default ``save``) and the other arguments."""
     mode_parser = argparse.ArgumentParser(add_help=False)
     mode_parser.add_argument("--mode", choices=MODES, default="save")
     known, rest = mode_parser.parse_known_args(argv)
@@ -724,7 +725,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode",
         choices=MODES,
         default="save",
-        help="save: save/load throughput and memory (default); async: stalls of a simulated training loop",
+        help="save: save/load throughput and memory (default); async: stalls of a simulated training loop;"
+        " activations: activation checkpointing memory and step time (`--mode activations --help`)",
     )
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma list of state sizes (default {DEFAULT_SIZES})")
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement, medians reported (default 3)")
@@ -833,6 +835,10 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_ckpt import bench_async
 
         return bench_async.main(rest)
+    if mode == "activations":
+        from lightning_ckpt import bench_activations
+
+        return bench_activations.main(rest)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

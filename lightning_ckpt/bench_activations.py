@@ -1,0 +1,335 @@
+"""Benchmark of activation checkpointing: peak activation memory and step time of a deep decoder.
+
+``python -m lightning_ckpt bench --mode activations [...]`` (or ``python -m lightning_ckpt.bench_activations``).
+
+The model is a pre-norm decoder (``--layers`` blocks of causal self-attention through
+``scaled_dot_product_attention`` + a 4x MLP, residual dropout 0.1) trained with AdamW on random
+tokens; at the default size its activations are ~40x its weights. Configurations:
+``off``, ``every layer``, ``every 2nd layer`` (``every_n_layers=2``) and ``selective``
+(``selective=True``: matmul and attention outputs kept, the rest recomputed), all through
+:func:`lightning_ckpt.apply_activation_checkpointing`.
+
+Each (configuration, repeat) runs in a fresh ``spawn`` process (``bench.run_in_fresh_process``)
+that builds the model and optimizer, runs 2 untimed steps (AdamW state and gradients allocated),
+then measures:
+
+* **peak activation memory** of one forward + backward (gradients already allocated, so they do
+  not count): on CPU, the process's peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs``
+  just before) minus its RSS just before, with ``MALLOC_MMAP_THRESHOLD_=65536`` so that every
+  tensor buffer of 64 KiB or more is its own ``mmap`` and RSS follows torch's live CPU
+  allocations (glibc's adaptive threshold would otherwise keep freed buffers in the heap); on
+  CUDA, ``torch.cuda.max_memory_allocated`` minus ``memory_allocated`` before, after
+  ``reset_peak_memory_stats``.
+* **step time**: the median of ``--steps`` full steps (forward, backward, ``optimizer.step``).
+
+Repeats run in rounds (every configuration once per round) so a noisy neighbour slows all of them
+alike; medians over repeats go into a rich table, the JSON only with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+CONFIGS: dict[str, dict[str, Any] | None] = {
+    "off": None,
+    "every layer": {},
+    "every 2nd layer": {"every_n_layers": 2},
+    "selective": {"selective": True},
+}
+
+# Targets of issue 11 (relative to "off"); printed with the results, never asserted.
+TARGET_FULL_SAVING = 0.60  # every layer: peak activation memory cut by at least this share
+TARGET_FULL_SLOWDOWN = 1.40  # ... for at most this step time
+TARGET_SELECTIVE_SHARE = 0.40  # selective: at least this share of every layer's saving
+TARGET_SELECTIVE_SLOWDOWN = 1.15  # ... for at most this step time
+
+MB = 1e6
+
+
+def _build(task: dict[str, Any]) -> tuple[Any, Any, Any]:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    hidden, heads = task["hidden"], task["heads"]
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1 = nn.LayerNorm(hidden)
+            self.qkv = nn.Linear(hidden, 3 * hidden)
+            self.proj = nn.Linear(hidden, hidden)
+            self.ln2 = nn.LayerNorm(hidden)
+            self.fc1 = nn.Linear(hidden, 4 * hidden)
+            self.fc2 = nn.Linear(4 * hidden, hidden)
+            self.drop = nn.Dropout(0.1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+            return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(task["vocab"], hidden)
+            self.blocks = nn.ModuleList(Block() for _ in range(task["layers"]))
+            self.norm = nn.LayerNorm(hidden)
+            self.head = nn.Linear(hidden, task["vocab"])
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            x = self.emb(idx)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.norm(x))
+
+    torch.manual_seed(0)
+    model = Decoder().to(task["device"])
+    return model, Block, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _measure(task: dict[str, Any]) -> dict[str, Any]:
+    """Child process: one configuration, one repeat."""
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_ckpt.activation import apply_activation_checkpointing
+
+    if task["threads"]:
+        torch.set_num_threads(task["threads"])
+    device = torch.device(task["device"])
+    model, block_type, optimizer = _build(task)
+    options = task["options"]
+    if options is not None:
+        apply_activation_checkpointing(model, {block_type}, **options)
+    gen = torch.Generator().manual_seed(1)
+    batch = torch.randint(0, task["vocab"], (task["batch"], task["seq"]), generator=gen).to(device)
+    cuda = device.type == "cuda"
+
+    def forward_backward() -> None:
+        logits = model(batch)
+        F.cross_entropy(logits.flatten(0, 1), batch.flatten()).backward()
+
+    def step() -> None:
+        forward_backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    for _ in range(2):  # AdamW state and gradients exist from here on
+        step()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        forward_backward()
+        sync()
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        before = _rss_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current RSS
+            f.write("5")
+        forward_backward()
+        peak = _rss_bytes("VmHWM") - before
+    optimizer.zero_grad(set_to_none=False)
+    times = []
+    for _ in range(task["steps"]):
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"peak_activation_bytes": peak, "step_seconds": statistics.median(times), "step_times": times, "param_bytes": params}
+
+
+def bench(args: argparse.Namespace, device: str, log: Any) -> dict[str, Any]:
+    """Every configuration ``--repeats`` times on ``device`` (rounds), medians per configuration."""
+    from lightning_ckpt.bench import run_in_fresh_process
+
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGS}
+    errors: dict[str, str] = {}
+    previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc in each fresh child (see the docstring)
+    try:
+        for repeat in range(args.repeats):
+            for name, options in CONFIGS.items():
+                task = {
+                    "kind": f"activations-{name.replace(' ', '-')}",
+                    "device": device,
+                    "options": options,
+                    "layers": args.layers,
+                    "hidden": args.hidden,
+                    "heads": args.heads,
+                    "seq": args.seq,
+                    "batch": args.batch,
+                    "vocab": args.vocab,
+                    "steps": args.steps,
+                    "threads": args.threads,
+                }
+                try:
+                    result = run_in_fresh_process(task, _measure)
+                except RuntimeError as err:
+                    errors[name] = str(err)
+                    log(f"[red]{device} {name}: {err}")
+                    continue
+                runs[name].append(result)
+                log(
+                    f"{device} {name} (repeat {repeat + 1}/{args.repeats}): peak activations"
+                    f" {result['peak_activation_bytes'] / MB:.0f} MB, step {result['step_seconds']:.3f} s"
+                )
+    finally:
+        if previous is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
+    summary = {}
+    for name, results in runs.items():
+        if results:
+            summary[name] = {
+                "peak_activation_bytes": statistics.median(r["peak_activation_bytes"] for r in results),
+                "step_seconds": statistics.median(r["step_seconds"] for r in results),
+                "param_bytes": results[0]["param_bytes"],
+            }
+    return {
+        "device": device,
+        "memory_method": "torch.cuda.max_memory_allocated - memory_allocated"
+        if device.startswith("cuda")
+        else "peak RSS (VmHWM after clear_refs) - RSS before, MALLOC_MMAP_THRESHOLD_=65536",
+        "runs": runs,
+        "summary": summary,
+        "targets": _verdicts(summary),
+        "errors": errors,
+    }
+
+
+def _verdicts(summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    if not {"off", "every layer", "selective"} <= summary.keys():
+        return {}
+    off, full, sel = summary["off"], summary["every layer"], summary["selective"]
+    full_saving = 1 - full["peak_activation_bytes"] / off["peak_activation_bytes"]
+    sel_saving = 1 - sel["peak_activation_bytes"] / off["peak_activation_bytes"]
+    full_slowdown = full["step_seconds"] / off["step_seconds"]
+    sel_slowdown = sel["step_seconds"] / off["step_seconds"]
+    share = sel_saving / full_saving if full_saving > 0 else 0.0
+    return {
+        "every_layer_saving": full_saving,
+        "every_layer_slowdown": full_slowdown,
+        "every_layer_met": full_saving >= TARGET_FULL_SAVING and full_slowdown <= TARGET_FULL_SLOWDOWN,
+        "selective_saving": sel_saving,
+        "selective_share_of_every_layer_saving": share,
+        "selective_slowdown": sel_slowdown,
+        "selective_met": share >= TARGET_SELECTIVE_SHARE and sel_slowdown <= TARGET_SELECTIVE_SLOWDOWN,
+    }
+
+
+def render_table(results: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="activation checkpointing: peak activation memory and step time (medians)")
+    for column in ("device", "configuration", "peak activations", "saved vs off", "step time", "x off"):
+        table.add_column(column, justify="left" if column in ("device", "configuration") else "right")
+    for result in results:
+        summary = result["summary"]
+        off = summary.get("off")
+        for name, row in summary.items():
+            saved = ratio = "-"
+            if off is not None:
+                saved = f"{1 - row['peak_activation_bytes'] / off['peak_activation_bytes']:.0%}"
+                ratio = f"{row['step_seconds'] / off['step_seconds']:.2f}x"
+            table.add_row(
+                result["device"], name, f"{row['peak_activation_bytes'] / MB:.0f} MB", saved, f"{row['step_seconds']:.3f} s", ratio
+            )
+        targets = result["targets"]
+        if targets:
+            table.add_row(
+                result["device"],
+                "[bold]targets[/bold]",
+                "",
+                f"every layer >= {TARGET_FULL_SAVING:.0%}: {targets['every_layer_saving']:.0%}",
+                f"<= {TARGET_FULL_SLOWDOWN}x: {targets['every_layer_slowdown']:.2f}x",
+                "[green]met" if targets["every_layer_met"] else "[red]not met",
+            )
+            table.add_row(
+                result["device"],
+                "",
+                "",
+                f"selective >= {TARGET_SELECTIVE_SHARE:.0%} of it: {targets['selective_share_of_every_layer_saving']:.0%}",
+                f"<= {TARGET_SELECTIVE_SLOWDOWN}x: {targets['selective_slowdown']:.2f}x",
+                "[green]met" if targets["selective_met"] else "[red]not met",
+            )
+    return table
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from lightning_ckpt.bench import add_json_argument
+
+    parser = argparse.ArgumentParser(
+        prog="lightning_ckpt bench --mode activations",
+        description="Peak activation memory and step time with activation checkpointing off / every layer /"
+        " every 2nd layer / selective, on a deep decoder.",
+    )
+    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto: cpu, and cuda too when available (default)")
+    parser.add_argument("--layers", type=int, default=16, help="decoder blocks (default 16)")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    parser.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
+    parser.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
+    parser.add_argument("--vocab", type=int, default=512, help="vocabulary size (default 512)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per process, median reported (default 5)")
+    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per configuration (default 3)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    add_json_argument(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print the table (and the JSON with ``--json``). Returns 1 if a run failed."""
+    import torch
+
+    from lightning_ckpt.bench import emit_report, machine_info, report_header, stderr_logger
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("layers", "hidden", "heads", "seq", "batch", "vocab", "steps", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+    if args.hidden % args.heads:
+        parser.error("--hidden must be a multiple of --heads")
+    if args.device == "auto":
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    else:
+        devices = [args.device]
+    log = stderr_logger()
+    started = time.time()
+    results = [bench(args, device, log) for device in devices]
+    report = {
+        **report_header(argv, started),
+        "settings": {k: v for k, v in vars(args).items() if k != "json_path"},
+        "machine": {**machine_info(os.getcwd()), "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+        "results": results,
+    }
+    emit_report(render_table(results), report, args.json_path)
+    return 1 if any(r["errors"] for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
