@@ -55,7 +55,7 @@ class Regressor(LightningModule):
 def trainer(max_epochs: int) -> Trainer:
     return Trainer(
         max_epochs=max_epochs,
-        default_root_dir=OUT,  # run files (the save metrics' JSON lines) go beside the checkpoints
+        default_root_dir=OUT,  # whatever a run writes besides checkpoints lands here, not in the working directory
         accelerator="cpu",
         logger=False,
         enable_progress_bar=False,
