@@ -109,7 +109,6 @@ def _selective_save_ops() -> frozenset[Any]:
     for name in SELECTIVE_SAVE_OPS:
         packet = getattr(torch.ops.aten, name, None)
         if packet is not None:
-            ops.add(packet.default)
             ops.update(getattr(packet, overload) for overload in packet.overloads())
     return frozenset(ops)
 

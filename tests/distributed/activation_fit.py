@@ -1,4 +1,4 @@
-"""Run by test_activation.py as a script (Lightning's launcher re-executes it for rank 1).
+"""Run by test_activation_distributed.py as a script (Lightning's launcher re-executes it for rank 1).
 
 ``argv[2]`` picks the strategy: ``ddp`` or ``fsdp2`` (``ModelParallelStrategy``, FSDP2
 ``fully_shard`` of every block and the root inside ``configure_model``), 2 CPU ranks over gloo.
