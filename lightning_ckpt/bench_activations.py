@@ -4,7 +4,8 @@
 
 The model is a pre-norm decoder (``--layers`` blocks of causal self-attention through
 ``scaled_dot_product_attention`` + a 4x MLP, residual dropout 0.1) trained with AdamW on random
-tokens; at the default size its activations are ~40x its weights. Configurations:
+tokens; at the default size (16 blocks, hidden 256, 4 x 256 tokens) its activations are ~6x its
+weights (313 MB against 52 MB). Configurations:
 ``off``, ``every layer``, ``every 2nd layer`` (``every_n_layers=2``) and ``selective``
 (``selective=True``: matmul and attention outputs kept, the rest recomputed), all through
 :func:`lightning_ckpt.apply_activation_checkpointing`.
