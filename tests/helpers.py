@@ -1,8 +1,12 @@
-"""Assertion helpers shared by test modules."""
+"""Helpers shared by test modules: assertions, processes, scripts, corrupted files."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 import time
 
 
@@ -35,3 +39,31 @@ def wait_until_gone(pid: int, timeout: float) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def run_script(script: str, *args: str, tmp_path) -> dict:
+    """Run ``tests/<script> <tmp_path>/report.json *args`` in ``tmp_path`` as a fresh launch (no
+    ``LOCAL_RANK``: Lightning's launcher starts the other ranks); fail with the tail of its output if
+    it exits non-zero, else return the JSON report it wrote."""
+    report = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+    env["PYTHONUNBUFFERED"] = "1"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), script), str(report), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(report.read_text())
+
+
+def flip_byte(file: str | os.PathLike, offset: int) -> None:
+    """Flip the lowest bit of the byte at ``offset`` of ``file``."""
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))

@@ -13,47 +13,32 @@ import json
 import os
 import sys
 
-import torch
-import torch.nn.functional as F
-from lightning.pytorch import LightningModule, Trainer, seed_everything
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import lightning_ckpt as lc
-from lightning_ckpt.activation import checkpointed_paths
+import torch  # noqa: E402
+from activation_models import Block, fit_decoder  # noqa: E402
+from activation_models import Decoder as _Decoder  # noqa: E402
+from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 
-DIM, VOCAB, LAYERS, STEPS = 16, 32, 2, 3
+import lightning_ckpt as lc  # noqa: E402
+from lightning_ckpt.activation import checkpointed_paths  # noqa: E402
+
+LAYERS, STEPS = 2, 3
 STRATEGY = sys.argv[2]
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(DIM)
-        self.fc1 = nn.Linear(DIM, 4 * DIM)
-        self.fc2 = nn.Linear(4 * DIM, DIM)
-        self.drop = nn.Dropout(0.2)
-        self.runs = 0
+class Decoder(_Decoder):
+    """Two blocks; with ``helper``, ``apply_activation_checkpointing`` in ``configure_model``
+    before (fsdp2) ``fully_shard`` of every block and the root."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.runs += 1
-        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln(x)))))
-
-
-class Decoder(LightningModule):
     def __init__(self, helper: bool = False) -> None:
-        super().__init__()
+        super().__init__(layers=LAYERS, samples=4 * STEPS * 2)
         self.helper = helper
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.head = nn.Linear(DIM, VOCAB)
-        self.blocks: nn.ModuleList | None = None
-        self.losses: list[float] = []
-        self.seen_checkpointed: list[str] = []
 
     def configure_model(self) -> None:
         if self.blocks is not None:
             return
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        super().configure_model()
         if self.helper:  # explicitly before fully_shard
             lc.apply_activation_checkpointing(self, {Block})
         if STRATEGY == "fsdp2":
@@ -64,27 +49,6 @@ class Decoder(LightningModule):
                 fully_shard(block, mesh=mesh)
             fully_shard(self, mesh=mesh)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-    def training_step(self, batch, batch_idx):
-        (idx,) = batch
-        if batch_idx == 0:
-            self.seen_checkpointed = checkpointed_paths(self)
-        loss = F.cross_entropy(self(idx).flatten(0, 1), idx.flatten())
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.01)
-
-    def train_dataloader(self):
-        idx = torch.randint(0, VOCAB, (4 * STEPS * 2, 8), generator=torch.Generator().manual_seed(3))
-        return DataLoader(TensorDataset(idx), batch_size=4)
-
 
 def fit(callbacks=(), helper: bool = False) -> tuple[Trainer, Decoder]:
     seed_everything(0, workers=True)
@@ -94,21 +58,7 @@ def fit(callbacks=(), helper: bool = False) -> tuple[Trainer, Decoder]:
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     else:
         strategy = "ddp"
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=STEPS,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        deterministic=True,
-        callbacks=list(callbacks),
-    )
-    model = Decoder(helper=helper)
-    trainer.fit(model)
-    return trainer, model
+    return fit_decoder(Decoder(helper=helper), callbacks, max_steps=STEPS, devices=2, strategy=strategy)
 
 
 def full_weights(model: Decoder) -> list[torch.Tensor]:

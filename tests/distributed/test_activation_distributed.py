@@ -3,31 +3,15 @@ bit-identical losses and full weights, unchanged keys, recompute observed, remov
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from helpers import run_script
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_cpu_ranks_train_bit_identically_with_activation_checkpointing(tmp_path, strategy):
-    report = tmp_path / "report.json"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(
-        [sys.executable, os.path.join(os.path.dirname(__file__), "activation_fit.py"), str(report), strategy],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    result = json.loads(report.read_text())
+    result = run_script("distributed/activation_fit.py", strategy, tmp_path=tmp_path)
     assert result["world_size"] == 2
     assert "blocks.0.fc1.weight" in result["keys"]  # no "_checkpoint_wrapped_module" anywhere
     assert result["plain_block_runs"] == [3, 3]

@@ -4,29 +4,14 @@ pairs for top-k and the version counter plus a barrier per file; both keep the s
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from helpers import run_script
 
 pytestmark = pytest.mark.distributed
 
 
-def _run(tmp_path, mode: str) -> dict:
-    report = tmp_path / "report.json"
-    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
-    proc = subprocess.run(
-        [sys.executable, os.path.join(os.path.dirname(__file__), "collectives_fit.py"), str(report), mode],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(report.read_text())
-
-
 def test_collectives_per_step(tmp_path):
-    result = _run(tmp_path, "steps")
+    result = run_script("distributed/collectives_fit.py", "steps", tmp_path=tmp_path)
     stock, ours = result["stock"], result["ours"]
     assert [s["saved"] for s in ours] == [s["saved"] for s in stock] and any(s["saved"] for s in ours)
     for step in ours:
@@ -42,7 +27,7 @@ def test_collectives_per_step(tmp_path):
 
 
 def test_time_trigger_without_a_per_batch_broadcast(tmp_path):
-    result = _run(tmp_path, "time")
+    result = run_script("distributed/collectives_fit.py", "time", tmp_path=tmp_path)
     stock, ours = result["stock"], result["ours"]
     assert all(any(c.startswith("broadcast") for c in s["collectives"]) for s in stock)  # every batch
     saves = sum(s["saved"] for s in ours)

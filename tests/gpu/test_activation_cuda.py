@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from activation_models import Block
 from torch import nn
 
 import lightning_ckpt as lc
@@ -17,29 +17,10 @@ pytestmark = [
 HIDDEN, LAYERS = 256, 16
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(HIDDEN)
-        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
-        self.proj = nn.Linear(HIDDEN, HIDDEN)
-        self.ln2 = nn.LayerNorm(HIDDEN)
-        self.fc1 = nn.Linear(HIDDEN, 4 * HIDDEN)
-        self.fc2 = nn.Linear(4 * HIDDEN, HIDDEN)
-        self.drop = nn.Dropout(0.1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, 4, d // 4).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
-        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
-
-
 def _step_peak(options: dict | None, dtype: torch.dtype | None = None) -> tuple[int, float, list[torch.Tensor]]:
     """Peak bytes above the pre-step allocation for one forward + backward, the loss, the grads."""
     torch.manual_seed(0)
-    model = nn.Sequential(*(Block() for _ in range(LAYERS))).cuda()
+    model = nn.Sequential(*(Block(HIDDEN, heads=4, dropout=0.1) for _ in range(LAYERS))).cuda()
     if options is not None:
         lc.apply_activation_checkpointing(model, {Block}, **options)
     x = torch.randn(8, 512, HIDDEN, device="cuda", generator=torch.Generator("cuda").manual_seed(1))

@@ -8,85 +8,19 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
-from lightning.pytorch import LightningModule, Trainer, seed_everything
+from activation_models import Block, Decoder, fit_decoder
+from lightning.pytorch import seed_everything
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_ckpt as lc
 from lightning_ckpt.activation import checkpointed_paths
 
-DIM, VOCAB, LAYERS = 16, 32, 3
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(DIM)
-        self.fc1 = nn.Linear(DIM, 4 * DIM)
-        self.fc2 = nn.Linear(4 * DIM, DIM)
-        self.drop = nn.Dropout(0.2)
-        self.runs = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.runs += 1
-        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln(x)))))
-
-
-class Decoder(LightningModule):
-    """Embedding -> blocks (built in ``configure_model``, as a sharded model would) -> head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.head = nn.Linear(DIM, VOCAB)
-        self.blocks: nn.ModuleList | None = None
-        self.losses: list[float] = []
-        self.seen_checkpointed: list[str] = []
-
-    def configure_model(self) -> None:
-        if self.blocks is None:
-            self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-    def training_step(self, batch, batch_idx):
-        (idx,) = batch
-        if batch_idx == 0:
-            self.seen_checkpointed = checkpointed_paths(self)
-        loss = F.cross_entropy(self(idx).flatten(0, 1).float(), idx.flatten())
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.01)
-
-    def train_dataloader(self):
-        idx = torch.randint(0, VOCAB, (16, 8), generator=torch.Generator().manual_seed(3))
-        return DataLoader(TensorDataset(idx), batch_size=4)
+LAYERS = 3
 
 
 def fit(callbacks=(), max_steps=4, ckpt_path=None, model=None, **kwargs):
     seed_everything(0)
-    model = model or Decoder()
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        deterministic=True,
-        callbacks=list(callbacks),
-        **kwargs,
-    )
-    trainer.fit(model, ckpt_path=ckpt_path)
-    return trainer, model
+    return fit_decoder(model or Decoder(layers=LAYERS), callbacks, max_steps=max_steps, ckpt_path=ckpt_path, **kwargs)
 
 
 def _same_weights(a: nn.Module, b: nn.Module) -> bool:

@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from activation_models import DIM, Block, Decoder
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -21,53 +22,16 @@ from lightning_ckpt.activation import (
     remove_activation_checkpointing,
 )
 
-DIM = 16
 
-
-class Block(nn.Module):
-    """Pre-norm decoder block (attention + MLP, dropout in both) that counts its forward runs."""
-
-    def __init__(self, heads: int = 2, count: bool = True) -> None:
-        super().__init__()
-        self.heads = heads
-        self.count = count  # off under torch.compile: a side effect inside a checkpoint is a graph break
-        self.ln1 = nn.LayerNorm(DIM)
-        self.qkv = nn.Linear(DIM, 3 * DIM)
-        self.proj = nn.Linear(DIM, DIM)
-        self.ln2 = nn.LayerNorm(DIM)
-        self.fc1 = nn.Linear(DIM, 4 * DIM)
-        self.fc2 = nn.Linear(4 * DIM, DIM)
-        self.drop = nn.Dropout(0.2)
-        self.runs = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.count:
-            self.runs += 1
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.2 if self.training else 0.0)
-        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
-        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
-
-
-class Decoder(nn.Module):
-    def __init__(self, layers: int = 4, count: bool = True) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(32, DIM)
-        self.blocks = nn.ModuleList(Block(count=count) for _ in range(layers))
-        self.head = nn.Linear(DIM, 32)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+def decoder(layers: int = 4, count: bool = True) -> Decoder:
+    """``layers`` attention blocks (2 heads, dropout 0.2 on residuals and attention), built: a plain module."""
+    return Decoder(layers=layers, build=True, heads=2, attention_dropout=0.2, count=count)
 
 
 def train(options: dict | None, steps: int = 3, model: nn.Module | None = None, call=None):
     """Losses, last gradients and the model after ``steps`` SGD steps (fixed seeds)."""
     torch.manual_seed(0)
-    model = Decoder() if model is None else model
+    model = decoder() if model is None else model
     if options is not None:
         apply_activation_checkpointing(model, {Block}, **options)
     call = model if call is None else call
@@ -103,7 +67,7 @@ def test_losses_and_gradients_are_bit_identical_with_dropout(options):
 
 
 def test_state_dict_and_parameter_names_unchanged_and_removal_restores_the_instance():
-    plain = Decoder()
+    plain = decoder()
     model = copy.deepcopy(plain)
     assert apply_activation_checkpointing(model, {Block}) == [f"blocks.{i}" for i in range(4)]
     assert list(model.state_dict()) == list(plain.state_dict())
@@ -142,7 +106,7 @@ class _CountOps(TorchDispatchMode):
 
 
 def _matmuls_per_step(options: dict | None) -> int:
-    model = Decoder().eval()  # no dropout: identical op sequence in every mode
+    model = decoder().eval()  # no dropout: identical op sequence in every mode
     if options is not None:
         apply_activation_checkpointing(model, {Block}, **options)
     with _CountOps() as counter:
@@ -160,7 +124,7 @@ def test_selective_mode_does_not_recompute_matmuls_full_mode_does():
 
 def _saved_bytes(options: dict | None) -> int:
     """Bytes autograd keeps for backward outside checkpointed regions."""
-    model = Decoder(layers=4)
+    model = decoder(layers=4)
     if options is not None:
         apply_activation_checkpointing(model, {Block}, **options)
     total = 0
@@ -182,7 +146,7 @@ def test_checkpointing_every_layer_keeps_only_block_inputs():
 
 
 def test_no_grad_runs_the_original_forward_once():
-    model = Decoder()
+    model = decoder()
     apply_activation_checkpointing(model, {Block})
     with torch.no_grad():
         model(torch.zeros(1, 4, dtype=torch.long))
@@ -191,14 +155,14 @@ def test_no_grad_runs_the_original_forward_once():
 
 def test_policy_matching_nothing_names_the_types_present():
     with pytest.raises(ValueError, match=r"matched no submodule of Decoder\. Module types present: Linear x17, LayerNorm x8, Block x4"):
-        apply_activation_checkpointing(Decoder(), {nn.Conv1d})
+        apply_activation_checkpointing(decoder(), {nn.Conv1d})
 
 
 def test_callable_policy_dotted_names_and_outermost_matches_only():
-    model = Decoder()
+    model = decoder()
     paths = apply_activation_checkpointing(model, lambda m: isinstance(m, (Block, nn.Linear)))
     assert paths == [f"blocks.{i}" for i in range(4)] + ["head"]  # Linears inside Blocks are covered
-    assert ActivationCheckpointing(policy={f"{__name__}.Block"})._match(Block())
+    assert ActivationCheckpointing(policy={f"{Block.__module__}.Block"})._match(Block())
     # Already checkpointed modules are left alone (the callback after configure_model's own call).
     assert apply_activation_checkpointing(model, {Block}) == []
 
@@ -294,7 +258,7 @@ def test_compiled_model_no_recompiles_and_checkpoint_in_the_graph(selective):
 
     def fresh():
         torch.manual_seed(0)
-        return Decoder(layers=1, count=False)
+        return decoder(layers=1, count=False)
 
     torch._dynamo.reset()
     try:

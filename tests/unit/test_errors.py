@@ -9,6 +9,7 @@ import struct
 
 import pytest
 import torch
+from helpers import flip_byte
 
 import lightning_ckpt as lc
 from lightning_ckpt import manifest as fmt
@@ -32,14 +33,6 @@ def _rewrite_manifest(path: str, edit) -> None:
     body["manifest_crc32"] = fmt.format_checksum(fmt.checksum(fmt._canonical(body)))
     with open(os.path.join(path, "manifest.json"), "w") as f:
         json.dump(body, f)
-
-
-def _flip_byte(file: str, offset: int) -> None:
-    with open(file, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
 
 
 def test_missing_path(tmp_path):
@@ -71,7 +64,7 @@ def test_flipped_byte_in_manifest_is_caught(tmp_path):
     raw = open(os.path.join(path, "manifest.json"), "rb").read()
     start = raw.index(b'"size": ')
     offset = raw.index(b"\n", start) - 1  # the last digit of a size: still valid JSON after the flip
-    _flip_byte(os.path.join(path, "manifest.json"), offset)
+    flip_byte(os.path.join(path, "manifest.json"), offset)
     with pytest.raises(lc.CorruptCheckpointError, match="manifest checksum mismatch"):
         lc.load_checkpoint(path)
 
@@ -101,7 +94,7 @@ def test_truncated_or_missing_file_is_caught_by_the_cheap_check(tmp_path, which)
 @pytest.mark.parametrize("which", ["model-00001-of-00001.safetensors", "optimizer-00001-of-00001.safetensors", "model.safetensors.index.json"])
 def test_flipped_byte_is_caught_by_full_verification(tmp_path, which):
     path = _save(tmp_path)
-    _flip_byte(os.path.join(path, which), os.path.getsize(os.path.join(path, which)) - 5)
+    flip_byte(os.path.join(path, which), os.path.getsize(os.path.join(path, which)) - 5)
     with pytest.raises(lc.CorruptCheckpointError, match="checksum mismatch") as info:
         lc.verify_checkpoint(path)
     assert info.value.file == which
@@ -113,7 +106,7 @@ def test_flipped_byte_is_caught_by_full_verification(tmp_path, which):
 
 def test_metadata_is_always_checksummed(tmp_path):
     path = _save(tmp_path)
-    _flip_byte(os.path.join(path, "metadata.json"), 5)
+    flip_byte(os.path.join(path, "metadata.json"), 5)
     with pytest.raises(lc.CorruptCheckpointError, match="metadata.json"):
         lc.load_checkpoint(path)
 

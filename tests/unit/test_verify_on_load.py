@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import flip_byte
 
 import lightning_ckpt as lc
 from lightning_ckpt import reader
@@ -31,17 +32,9 @@ def _save(path: Path) -> dict:
     return state
 
 
-def _flip_byte(file: Path, offset: int) -> None:
-    with open(file, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
-
-
 def _flip_in_data(file: Path) -> None:
     """One bit of a tensor's bytes (not the header): only a checksum can notice it."""
-    _flip_byte(file, os.path.getsize(file) - 100)
+    flip_byte(file, os.path.getsize(file) - 100)
 
 
 @pytest.mark.parametrize("name", [MODEL, OPTIMIZER])
@@ -68,7 +61,7 @@ def test_a_flipped_tensor_byte_fails_a_default_load_naming_the_file(tmp_path, na
 def test_a_flipped_metadata_byte_fails_every_mode(tmp_path):
     path = tmp_path / "last.ckpt"
     _save(path)
-    _flip_byte(path / "metadata.json", 3)
+    flip_byte(path / "metadata.json", 3)
     for load in (
         lambda: lc.load_checkpoint(path),
         lambda: lc.load_checkpoint(path, verify=False),  # the metadata decides what is read: always checked
@@ -82,7 +75,7 @@ def test_a_flipped_metadata_byte_fails_every_mode(tmp_path):
 def test_a_flipped_model_index_byte_fails_a_default_load(tmp_path):
     path = tmp_path / "last.ckpt"
     _save(path)
-    _flip_byte(path / "model.safetensors.index.json", 5)
+    flip_byte(path / "model.safetensors.index.json", 5)
     with pytest.raises(lc.CorruptCheckpointError) as info:
         lc.load_checkpoint(path)
     assert info.value.file == "model.safetensors.index.json"
@@ -92,7 +85,7 @@ def test_a_flipped_model_index_byte_fails_a_default_load(tmp_path):
 def test_a_flipped_header_byte_is_a_checksum_mismatch(tmp_path):
     path = tmp_path / "last.ckpt"
     _save(path)
-    _flip_byte(path / MODEL, 20)  # inside the JSON header
+    flip_byte(path / MODEL, 20)  # inside the JSON header
     with pytest.raises(lc.CorruptCheckpointError, match="checksum mismatch") as info:
         lc.load_checkpoint(path)
     assert info.value.file == MODEL
@@ -139,7 +132,7 @@ def test_v1_checkpoints_still_verify_on_load(tmp_path):
     shutil.copytree(GOLDEN_V1, path)
     assert lc.load_checkpoint(path)["global_step"] == 42  # crc32 checked by default
     optimizer = path / "optimizer-00001-of-00001.safetensors"
-    _flip_byte(optimizer, os.path.getsize(optimizer) - 1)  # the last tensor byte
+    flip_byte(optimizer, os.path.getsize(optimizer) - 1)  # the last tensor byte
     with pytest.raises(lc.CorruptCheckpointError, match=r"crc32: expected") as info:
         lc.load_checkpoint(path)
     assert info.value.file == "optimizer-00001-of-00001.safetensors"
