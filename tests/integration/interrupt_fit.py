@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -37,4 +38,7 @@ def main(out: str, pid_file: str) -> None:
 
 
 if __name__ == "__main__":
+    # Ctrl-C in a terminal raises KeyboardInterrupt; a process started in the background by a
+    # shell without job control inherits SIGINT ignored, and Python then leaves it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     main(sys.argv[1], sys.argv[2])
