@@ -90,12 +90,17 @@ def not_found_message(path: str) -> str:
     )
 
 
-def damaged_message(path: str, name: str, algorithm: str, expected: str, found: str) -> str:
-    return (
+def _check_digest(path: str, name: str, algorithm: str, expected: str, found: str) -> None:
+    """Raise ``CorruptCheckpointError`` naming file ``name`` when its digest is not the manifest's."""
+    if found == expected:
+        return
+    raise CorruptCheckpointError(
         f"{path!r}: checksum mismatch in {name!r} ({algorithm}: expected {expected}, found {found}); the file is"
         " corrupt, so the checkpoint is damaged. Resume from another checkpoint (an earlier one of the run),"
         " or, to load these bytes anyway, pass `verify=False` to `load_checkpoint` or use"
-        " `ShardedCheckpointIO(verify_on_load=\"structure\")`."
+        " `ShardedCheckpointIO(verify_on_load=\"structure\")`.",
+        path,
+        name,
     )
 
 
@@ -166,10 +171,7 @@ def _verify(directory: _Dir) -> fmt.Manifest:
     try:
         for name, record in manifest.files.items():
             found = _file_digest(directory, name, buffers, manifest.checksum)
-            if found != record.digest:
-                raise CorruptCheckpointError(
-                    damaged_message(path, name, manifest.checksum, record.digest, found), path, name
-                )
+            _check_digest(path, name, manifest.checksum, record.digest, found)
     finally:
         for buffer in buffers:
             buffer.close()
@@ -252,8 +254,7 @@ def _open_shard(directory: _Dir, name: str, expected: tuple[str, str] | None = N
         if expected is not None:
             algorithm, digest = expected
             found = fmt.digest(b"", algorithm) if mapped is None else _mapped_digest(mapped, algorithm)
-            if found != digest:
-                raise CorruptCheckpointError(damaged_message(path, name, algorithm, digest, found), path, name)
+            _check_digest(path, name, algorithm, digest, found)
         prefix = b"" if mapped is None else mapped[:8]
         if len(prefix) == 8:
             length = int.from_bytes(prefix, "little")
@@ -283,9 +284,7 @@ def _open_verified(directory: _Dir, manifest: fmt.Manifest) -> dict[str, _Shard]
     shard_files = {name for files in manifest.components.values() for name in files}
     for name, record in manifest.files.items():
         if name not in shard_files and name != manifest.metadata_file:  # small: the model index
-            found = fmt.digest(directory.read(name), algorithm)
-            if found != record.digest:
-                raise CorruptCheckpointError(damaged_message(path, name, algorithm, record.digest, found), path, name)
+            _check_digest(path, name, algorithm, record.digest, fmt.digest(directory.read(name), algorithm))
     names = [name for name in manifest.files if name in shard_files]
     workers = max(1, min(len(names), os.cpu_count() or 1, _HASH_THREADS))
     shards: dict[str, _Shard] = {}
@@ -360,11 +359,7 @@ def _load(directory: _Dir, map_location: MapLocation, weights_only: bool | None,
     # The metadata is small and decides what is read: its digest is checked in every mode.
     metadata = directory.read(manifest.metadata_file)
     record = manifest.files[manifest.metadata_file]
-    found = fmt.digest(metadata, algorithm)
-    if found != record.digest:
-        raise CorruptCheckpointError(
-            damaged_message(path, manifest.metadata_file, algorithm, record.digest, found), path, manifest.metadata_file
-        )
+    _check_digest(path, manifest.metadata_file, algorithm, record.digest, fmt.digest(metadata, algorithm))
     try:
         tree = json.loads(metadata)
     except ValueError as err:
