@@ -214,6 +214,7 @@ class FileRecord:
 
     size: int
     digest: str
+    rank: int | None = None  # global rank that wrote the file; only in sharded (multi-rank) saves
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +257,9 @@ class Manifest:
         body = asdict(self)
         if self.format_version == 1:  # version 1 names each file's digest "crc32"
             body["files"] = {k: {"size": v["size"], "crc32": v["digest"]} for k, v in body["files"].items()}
+        for record in body["files"].values():
+            if record.get("rank", 0) is None:  # single-process saves keep the version-2 layout
+                del record["rank"]
         body["manifest_crc32"] = format_checksum(checksum(_canonical(body)))
         return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
 
@@ -294,7 +298,7 @@ class Manifest:
         digest_key = "crc32" if version == 1 else "digest"
         try:
             manifest = cls(
-                files={k: FileRecord(v["size"], v[digest_key]) for k, v in body.pop("files").items()},
+                files={k: FileRecord(v["size"], v[digest_key], v.get("rank")) for k, v in body.pop("files").items()},
                 tensors=[TensorRecord(**t) for t in body.pop("tensors")],
                 **body,
             )
