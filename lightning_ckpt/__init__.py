@@ -30,6 +30,8 @@ _LAZY = {
     "remove_activation_checkpointing": "lightning_ckpt.activation",
     "ShardedCheckpointIO": "lightning_ckpt.io",
     "ShardedModelCheckpoint": "lightning_ckpt.callback",
+    "ShardedModelParallelStrategy": "lightning_ckpt.strategies",
+    "ShardedStorageReader": "lightning_ckpt.distributed",
     "load_checkpoint": "lightning_ckpt.io",
     "load_from_checkpoint": "lightning_ckpt.io",
     "remove_checkpoint": "lightning_ckpt.io",
@@ -45,6 +47,8 @@ if TYPE_CHECKING:
         remove_activation_checkpointing,
     )
     from lightning_ckpt.callback import ShardedModelCheckpoint
+    from lightning_ckpt.distributed import ShardedStorageReader
+    from lightning_ckpt.strategies import ShardedModelParallelStrategy
     from lightning_ckpt.io import (
         ShardedCheckpointIO,
         load_checkpoint,
@@ -77,6 +81,8 @@ __all__ = [
     "CorruptCheckpointError",
     "ShardedCheckpointIO",
     "ShardedModelCheckpoint",
+    "ShardedModelParallelStrategy",
+    "ShardedStorageReader",
     "UnsafeCheckpointError",
     "UnsupportedFormatError",
     "apply_activation_checkpointing",

@@ -52,6 +52,7 @@ from lightning_ckpt import manifest as fmt
 from lightning_ckpt.compile import install_load_hook, strip_compiled_prefixes
 from lightning_ckpt.memory import memory_stats, release_memory
 from lightning_ckpt.monitor import SaveMonitor, SaveRecord, print_summary, save_line
+from lightning_ckpt.strategies import is_lightning_ckpt, save_sharded
 from lightning_ckpt.writer import TempDir, commit
 
 # Checkpoint paths known to exist, per folder (see the module docstring); shared by instances
@@ -474,6 +475,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         _explain_directory_error(exception)
+        _explain_sharded_resume_error(exception)
         # No collective: the exception may have been raised on this rank alone.
         with self._save_step(trainer, collective=False):
             super().on_exception(trainer, pl_module, exception)
@@ -530,7 +532,9 @@ def _write(trainer: pl.Trainer, filepath: str, weights_only: bool) -> None:
         return
     with trainer.profiler.profile("save_checkpoint"):
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only)
-        trainer.strategy.save_checkpoint(checkpoint, filepath)
+        # Sharded state (FSDP2 / tensor parallel) and DDP on one node: every rank writes its part.
+        if not save_sharded(trainer.strategy, checkpoint, filepath):
+            trainer.strategy.save_checkpoint(checkpoint, filepath)
 
 
 def _can_skip(io: Any) -> bool:
@@ -566,6 +570,21 @@ def _listing(dirpath: _PATH | None, depth: int) -> list[str]:
                     below.append(entry.path)
         folders = below
     return sorted(found)
+
+
+def _explain_sharded_resume_error(exception: BaseException) -> None:
+    """``ModelParallelStrategy`` given one of our sharded checkpoints says only that it is not a
+    valid checkpoint: say which strategy reads it."""
+    message = str(exception)
+    if not isinstance(exception, ValueError) or "does not point to a valid checkpoint" not in message:
+        return
+    path = message.split("'")[1] if message.count("'") >= 2 else ""
+    if path and is_lightning_ckpt(path):
+        exception.args = (
+            f"{message} It is a lightning_ckpt checkpoint: `ModelParallelStrategy` never asks the CheckpointIO to"
+            " load. Resume with `strategy=lightning_ckpt.ShardedModelParallelStrategy(...)` (same arguments), or"
+            " read it in one process with `lightning_ckpt.load_checkpoint(path)`.",
+        )
 
 
 def _explain_directory_error(exception: BaseException) -> None:

@@ -10,6 +10,7 @@ import functools
 from collections import deque
 import json
 import os
+import secrets
 import sys
 import threading
 import time
@@ -69,13 +70,31 @@ class _Prepared:
     metadata: bytes
     global_step: int | None
     epoch: int | None
+    part: writer.Part | None = None  # this rank's share of a multi-rank save
 
 
 def _prepare(checkpoint: dict[str, Any], max_shard_size: int) -> _Prepared:
     plan = make_plan(checkpoint, max_shard_size)
-    metadata = json.dumps(plan.tree, separators=(",", ":"), allow_nan=False).encode()
+    return _prepared(checkpoint, plan, plan.tree)
+
+
+def _prepared(checkpoint: dict[str, Any], plan: Plan, tree: Any, part: writer.Part | None = None) -> _Prepared:
+    metadata = json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
     step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
-    return _Prepared(plan, metadata, step if type(step) is int else None, epoch if type(epoch) is int else None)
+    return _Prepared(plan, metadata, step if type(step) is int else None, epoch if type(epoch) is int else None, part)
+
+
+def _write(prepared: _Prepared, path: str, shard_writer: ShardWriter) -> WriteResult:
+    return write_checkpoint(
+        prepared.plan,
+        path,
+        shard_writer,
+        metadata=prepared.metadata,
+        created_by=_created_by(),
+        global_step=prepared.global_step,
+        epoch=prepared.epoch,
+        part=prepared.part,
+    )
 
 
 def _fingerprint(plan: Plan) -> tuple[Any, ...] | None:
@@ -106,20 +125,12 @@ def save_checkpoint(
 ) -> WriteResult:
     """Save ``checkpoint`` as a sharded, checksummed checkpoint directory at ``path`` (atomically)."""
     prepared = _prepare(checkpoint, parse_size(max_shard_size))
-    writer = _writer or ShardWriter()
+    shard_writer = _writer or ShardWriter()
     try:
-        return write_checkpoint(
-            prepared.plan,
-            _check_local(path, "path"),
-            writer,
-            metadata=prepared.metadata,
-            created_by=_created_by(),
-            global_step=prepared.global_step,
-            epoch=prepared.epoch,
-        )
+        return _write(prepared, _check_local(path, "path"), shard_writer)
     finally:
         if _writer is None:
-            writer.close()
+            shard_writer.close()
 
 
 def load_checkpoint(
@@ -144,6 +155,10 @@ def load_checkpoint(
     """
     path = _check_local(path, "path")
     if os.path.isdir(path):
+        from lightning_ckpt import legacy_dcp
+
+        if legacy_dcp.is_dcp_checkpoint(path):  # written by Lightning's own sharded strategies
+            return legacy_dcp.load_dcp_checkpoint(path, map_location, weights_only)
         return reader.load(path, map_location, weights_only, verify_checksums=bool(verify))
     if not os.path.exists(path):
         raise CheckpointNotFoundError(reader.not_found_message(path), path)
@@ -186,6 +201,13 @@ class ShardedCheckpointIO(CheckpointIO):
         max_write_rate: cap on the writer process's write rate, in bytes per second (``"1GB"``
             means 1 GB/s). Spreading the write out makes it compete less with training for memory
             bandwidth and I/O, at the cost of a later durable time. ``None``: as fast as possible.
+        part_timeout: multi-rank saves: how many seconds rank 0 waits for the other ranks' parts
+            before it gives the save up (nothing is committed). Every rank must write to the same
+            shared filesystem path.
+        spread_writes: DDP: every rank writes about ``1/world_size`` of the replicated state
+            (``True``), or rank 0 writes it all (``False``). ``None`` (default): spread on one node
+            only, where every rank sees rank 0's folder; pass ``True`` for multi-node runs on a shared
+            filesystem. Sharded strategies always write from every rank.
 
     Call order and ranks: Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0
     only, ``load_checkpoint`` and ``teardown`` on every rank; none of them runs a collective.
@@ -202,6 +224,8 @@ class ShardedCheckpointIO(CheckpointIO):
         staging_pool_size: int | str | None = None,
         on_error: Literal["raise", "warn"] = "raise",
         max_write_rate: int | str | None = None,
+        part_timeout: float = 1800.0,
+        spread_writes: Optional[bool] = None,
     ) -> None:
         super().__init__()
         self.max_shard_size = parse_size(max_shard_size, "max_shard_size")
@@ -235,6 +259,12 @@ class ShardedCheckpointIO(CheckpointIO):
         self._unpolled: deque[WriteResult] = deque(maxlen=1024)
         self.last_save: WriteResult | None = None
         self.last_stall_seconds: float | None = None  # how long the last save blocked the caller
+        self.part_timeout = float(part_timeout)
+        if spread_writes not in (None, True, False):
+            raise ValueError(f"`spread_writes={spread_writes!r}` must be one of (None, True, False).")
+        self.spread_writes = spread_writes
+        self._part_token: str | None = None  # names multi-rank saves' shared folders; agreed once per run
+        self._part_number = 0
         _live_instances.add(self)
 
     @override
@@ -249,16 +279,48 @@ class ShardedCheckpointIO(CheckpointIO):
                 f" got storage_options={storage_options!r}. Remove the argument."
             )
         path = os.path.abspath(_check_local(path, "path"))
+        self._save(path, lambda: _prepare(checkpoint, self.max_shard_size))
+
+    def save_sharded(
+        self, checkpoint: dict[str, Any], path: Any, rank: int, world_size: int, broadcast: Callable[[str], str]
+    ) -> None:
+        """Called on every rank: write this rank's part of a multi-rank checkpoint at ``path``.
+
+        Sharded tensors (DTensor, ShardedTensor) are written by the ranks that hold them,
+        replicated ones spread over their holders; rank 0 commits the whole once every part is
+        durable (see ``distributed.py``). No collective runs, except ``broadcast`` once per run,
+        at the first save, to agree on the name of the shared temporary directory. In async mode
+        every rank stages into its own pool and its own writer process writes; a save still in
+        flight is waited for (``when_busy="skip"`` cannot skip one rank's part alone).
+        """
+        from lightning_ckpt.distributed import plan_part
+
+        path = os.path.abspath(_check_local(path, "path"))
+        if self._part_token is None:
+            self._part_token = broadcast(secrets.token_hex(8))
+        self._part_number += 1
+        folder = writer.part_folder(path, self._part_token, self._part_number)
+
+        def prepare() -> _Prepared:
+            planned = plan_part(checkpoint, rank, world_size, self.max_shard_size)
+            part = writer.Part(
+                rank, world_size, folder, planned.pieces, planned.tensors, planned.layout, self.part_timeout
+            )
+            return _prepared(checkpoint, planned.plan, planned.tree, part)
+
+        self._save(path, prepare, can_skip=False)
+
+    def _save(self, path: str, prepare: Callable[[], _Prepared], can_skip: bool = True) -> None:
         self._flush_deferred()
         with self._lock:
             start = time.perf_counter()
             if not self.async_save:
-                self.last_save = save_checkpoint(checkpoint, path, self.max_shard_size, _writer=self._writer)
+                self.last_save = _write(prepare(), path, self._writer)
                 self.last_stall_seconds = time.perf_counter() - start
                 return
             self._worker.ensure_started()  # detects a dead writer (its error is reported next)
             self._report(self._worker.take_errors())
-            prepared = _prepare(checkpoint, self.max_shard_size)
+            prepared = prepare()
             fingerprint = _fingerprint(prepared.plan)
             if fingerprint is not None and self._staged is not None and self._staged[0] == fingerprint:
                 # A second save of the very same tensors (top-k file, then last.ckpt, in one
@@ -268,7 +330,7 @@ class ShardedCheckpointIO(CheckpointIO):
                 self.last_stall_seconds = time.perf_counter() - start
                 return
             if self._worker.busy:
-                if self.when_busy == "skip":
+                if self.when_busy == "skip" and can_skip:
                     self.skipped_saves += 1
                     self._refuse_next_removal = True
                     warnings.warn(
@@ -291,6 +353,7 @@ class ShardedCheckpointIO(CheckpointIO):
             "created_by": _created_by(),
             "global_step": prepared.global_step,
             "epoch": prepared.epoch,
+            "part": prepared.part,
         }
 
     def _submit(self, prepared: _Prepared, path: str, images: dict[str, tuple[int, int]]) -> None:

@@ -34,7 +34,9 @@ import xxhash
 from lightning_ckpt.errors import CorruptCheckpointError, UnsupportedFormatError
 
 FORMAT_NAME = "lightning_ckpt"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 2  # what a single-process save writes
+SHARDED_FORMAT_VERSION = 3  # a multi-rank save: per-file ranks, tensors stored as chunks
+READ_FORMAT_VERSION = SHARDED_FORMAT_VERSION  # the newest version this release reads
 MANIFEST_FILE = "manifest.json"
 METADATA_FILE = "metadata.json"
 MODEL_INDEX_FILE = "model.safetensors.index.json"
@@ -232,6 +234,10 @@ class TensorRecord:
     stride: list[int] | None = None
     requires_grad: bool = False
     parameter: bool = False
+    # Sharded saves (version 3): the pieces of a tensor cut along its dimensions, each
+    # {"file", "blob", "offsets", "shape"} (and "byte_offset"/"stride" for a view into a blob);
+    # ``shape`` above is then the whole tensor's, and ``file``/``blob`` name the first piece.
+    chunks: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,9 +263,14 @@ class Manifest:
         body = asdict(self)
         if self.format_version == 1:  # version 1 names each file's digest "crc32"
             body["files"] = {k: {"size": v["size"], "crc32": v["digest"]} for k, v in body["files"].items()}
+        # Fields of sharded saves are left out when unset: single-process manifests keep the
+        # version-2 layout byte for byte.
         for record in body["files"].values():
-            if record.get("rank", 0) is None:  # single-process saves keep the version-2 layout
+            if record.get("rank", 0) is None:
                 del record["rank"]
+        for record in body["tensors"]:
+            if record.get("chunks", 0) is None:
+                del record["chunks"]
         body["manifest_crc32"] = format_checksum(checksum(_canonical(body)))
         return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
 
@@ -279,10 +290,10 @@ class Manifest:
         version = body.get("format_version")
         if not isinstance(version, int) or version < 1:
             raise corrupt(f"invalid format_version {version!r}")
-        if version > FORMAT_VERSION:
+        if version > READ_FORMAT_VERSION:
             raise UnsupportedFormatError(
                 f"{where}: checkpoint format version {version} is newer than this lightning_ckpt reads"
-                f" (up to {FORMAT_VERSION}). Upgrade lightning_ckpt to load it."
+                f" (up to {READ_FORMAT_VERSION}). Upgrade lightning_ckpt to load it."
             )
         stored = body.pop("manifest_crc32", None)
         if stored != format_checksum(checksum(_canonical(body))):
@@ -334,6 +345,18 @@ class Manifest:
                 t.byte_offset is not None and (type(t.byte_offset) is not int or t.byte_offset < 0)
             ):
                 raise corrupt(f"tensor {i} has an invalid shape, stride or offset")
+            for chunk in t.chunks or ():
+                if (
+                    not isinstance(chunk, dict)
+                    or chunk.get("file") not in self.files
+                    or not isinstance(chunk.get("blob"), str)
+                    or not ints(chunk.get("offsets"), 0)
+                    or not ints(chunk.get("shape"), 0)
+                    or len(chunk["offsets"]) != len(t.shape)
+                    or len(chunk["shape"]) != len(t.shape)
+                    or any(o + n > size for o, n, size in zip(chunk["offsets"], chunk["shape"], t.shape))
+                ):
+                    raise corrupt(f"tensor {i} has an invalid piece {chunk!r}")
 
 
 def _canonical(body: dict[str, Any]) -> bytes:

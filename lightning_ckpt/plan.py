@@ -147,8 +147,13 @@ def _is_stored_tensor(value: torch.Tensor) -> bool:
 
 
 class _Encoder:
-    def __init__(self, on_tensor: Callable[[torch.Tensor, tuple[Any, ...]], int]) -> None:
+    def __init__(
+        self,
+        on_tensor: Callable[[torch.Tensor, tuple[Any, ...]], int],
+        stores: Callable[[torch.Tensor], bool] = _is_stored_tensor,
+    ) -> None:
         self._on_tensor = on_tensor
+        self._stores = stores
 
     def encode(self, value: Any, path: tuple[Any, ...]) -> Any:
         kind = type(value)
@@ -156,7 +161,7 @@ class _Encoder:
             return value
         if kind is float:
             return value if math.isfinite(value) else {"$float": repr(value)}
-        if isinstance(value, torch.Tensor) and _is_stored_tensor(value):
+        if isinstance(value, torch.Tensor) and self._stores(value):
             return {"$tensor": self._on_tensor(value, path)}
         if kind is list:
             return [self.encode(v, (*path, i)) for i, v in enumerate(value)]
@@ -324,18 +329,23 @@ def _tensor_name(component: str, path: tuple[Any, ...]) -> str:
     return "/".join(str(k) for k in inner) or component
 
 
-def make_plan(checkpoint: dict[Any, Any], max_shard_size: int) -> Plan:
-    """Split ``checkpoint`` into a tree, tensor specs, blobs and shards (no bytes are copied)."""
+Found = list[tuple[torch.Tensor, str, tuple[Any, ...]]]  # (tensor, component, key path), in tree order
+
+
+def encode_checkpoint(
+    checkpoint: dict[Any, Any], stores: Callable[[torch.Tensor], bool] = _is_stored_tensor
+) -> tuple[Any, Found]:
+    """The JSON tree of ``checkpoint`` (tensor ``i`` replaced by ``{"$tensor": i}``) and its tensors."""
     if not isinstance(checkpoint, dict):
         raise TypeError(f"a checkpoint must be a dict, got {type(checkpoint).__name__}")
-    found: list[tuple[torch.Tensor, str, tuple[Any, ...]]] = []
+    found: Found = []
     components: dict[Any, str] = {}
 
     def on_tensor(t: torch.Tensor, path: tuple[Any, ...]) -> int:
         found.append((t, components[path[0]], path))
         return len(found) - 1
 
-    encoder = _Encoder(on_tensor)
+    encoder = _Encoder(on_tensor, stores)
     items: list[list[Any]] = []
     taken: set[str] = set()
     for key, value in checkpoint.items():
@@ -347,11 +357,24 @@ def make_plan(checkpoint: dict[Any, Any], max_shard_size: int) -> Plan:
         encoded_tree = dict(items)
     else:
         encoded_tree = {"$map": items}
+    return encoded_tree, found
 
+
+def make_plan(checkpoint: dict[Any, Any], max_shard_size: int) -> Plan:
+    """Split ``checkpoint`` into a tree, tensor specs, blobs and shards (no bytes are copied)."""
+    tree, found = encode_checkpoint(checkpoint)
+    return replace(plan_tensors(found, max_shard_size), tree=tree)
+
+
+def plan_tensors(found: Found, max_shard_size: int, file_tag: str = "") -> Plan:
+    """Blobs and shards for ``found`` (a plan without a tree). ``file_tag`` goes into every shard
+    file name (``model-<tag>-00001-of-00002.safetensors``)."""
     specs, blobs = _dedupe(found)
     used = list(dict.fromkeys(spec.component for spec in specs))
-    shards = tuple(s for c in used for s in _pack(c, [b for b in blobs if b.component == c], max_shard_size))
-    return Plan(tree=encoded_tree, tensors=tuple(specs), shards=shards, components=tuple(used))
+    shards = tuple(
+        s for c in used for s in _pack(c, [b for b in blobs if b.component == c], max_shard_size, file_tag)
+    )
+    return Plan(tree=None, tensors=tuple(specs), shards=shards, components=tuple(used))
 
 
 def _dedupe(found: list[tuple[torch.Tensor, str, tuple[Any, ...]]]) -> tuple[list[TensorSpec], list[Blob]]:
@@ -443,7 +466,7 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _pack(component: str, blobs: list[Blob], max_shard_size: int) -> list[Shard]:
+def _pack(component: str, blobs: list[Blob], max_shard_size: int, file_tag: str = "") -> list[Shard]:
     """Greedy, order-preserving packing; a blob larger than the cap gets a shard of its own."""
     groups: list[list[Blob]] = []
     size = 0
@@ -457,7 +480,7 @@ def _pack(component: str, blobs: list[Blob], max_shard_size: int) -> list[Shard]
     return [
         Shard(
             component,
-            f"{component}-{i + 1:05d}-of-{n:05d}.safetensors",
+            f"{component}-{file_tag + '-' if file_tag else ''}{i + 1:05d}-of-{n:05d}.safetensors",
             # Larger elements first: every blob then starts at a multiple of its element size.
             tuple(sorted(g, key=lambda b: -torch.empty((), dtype=b.dtype).element_size())),
         )

@@ -352,71 +352,164 @@ def load(
 
 
 def _load(directory: _Dir, map_location: MapLocation, weights_only: bool | None, verify_checksums: bool) -> dict[Any, Any]:
-    path = directory.path
     manifest = _read_manifest(directory)
     check_structure(directory, manifest)
-    algorithm = manifest.checksum
-    # The metadata is small and decides what is read: its digest is checked in every mode.
+    tree = _read_tree(directory, manifest)
+    shards = _open_verified(directory, manifest) if verify_checksums else {}
+    tensors = _Tensors(directory, manifest, map_location, shards, verify_each=False)
+    return _decode(directory, manifest, tree, tensors.tensor, map_location, weights_only)
+
+
+def _read_tree(directory: _Dir, manifest: fmt.Manifest) -> Any:
+    """The metadata's JSON tree. It is small and decides what is read: its digest is checked in every mode."""
+    path = directory.path
     metadata = directory.read(manifest.metadata_file)
     record = manifest.files[manifest.metadata_file]
-    _check_digest(path, manifest.metadata_file, algorithm, record.digest, fmt.digest(metadata, algorithm))
+    _check_digest(path, manifest.metadata_file, manifest.checksum, record.digest, fmt.digest(metadata, manifest.checksum))
     try:
-        tree = json.loads(metadata)
+        return json.loads(metadata)
     except ValueError as err:
         raise CorruptCheckpointError(f"{path!r}: {manifest.metadata_file!r} is not valid JSON ({err}).", path) from err
 
-    shards: dict[str, _Shard] = {}
-    if verify_checksums:
-        shards = _open_verified(directory, manifest)
-    blobs: dict[tuple[str, str, str], torch.Tensor] = {}  # (file, blob, device) -> uint8 tensor
 
-    def blob_bytes(file: str, name: str, device: torch.device) -> torch.Tensor:
-        key = (file, name, str(device))
-        if key not in blobs:
-            if file not in shards:
-                shards[file] = _open_shard(directory, file)
-            shard = shards[file]
-            entry = shard.entries.get(name)
-            if entry is None:
-                raise CorruptCheckpointError(f"{path!r}: tensor {name!r} is missing from {file!r}.", path, file)
-            data = shard.blob(entry)
-            blobs[key] = data if device.type == "cpu" else data.to(device)
-        return blobs[key]
+def _decode(
+    directory: _Dir,
+    manifest: fmt.Manifest,
+    tree: Any,
+    tensor: Callable[[int], torch.Tensor],
+    map_location: MapLocation,
+    weights_only: bool | None,
+) -> dict[Any, Any]:
+    path = directory.path
 
-    def tensor(index: int) -> torch.Tensor:
+    def checked(index: int) -> torch.Tensor:
         if not isinstance(index, int) or not 0 <= index < len(manifest.tensors):
             raise CorruptCheckpointError(f"{path!r}: metadata references unknown tensor {index!r}.", path)
-        t = manifest.tensors[index]
+        return tensor(index)
+
+    def unpickle(data: bytes, at: tuple[Any, ...]) -> Any:
+        return _unpickle(data, at, path, map_location, weights_only)
+
+    try:
+        return decode_tree(tree, checked, unpickle)  # type: ignore[no-any-return]
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, IndexError) as err:
+        # RuntimeError includes RecursionError (absurd nesting) and torch's errors on bad views.
+        raise CorruptCheckpointError(f"{path!r}: {manifest.metadata_file!r} is malformed ({err}).", path) from err
+
+
+class _Tensors:
+    """The tensors of one opened checkpoint, as views of its privately mapped shards.
+
+    ``shards`` holds shards already mapped (and verified); others are mapped on first use, and
+    with ``verify_each`` hashed first, so a reader of a few pieces verifies only their files.
+    """
+
+    def __init__(
+        self,
+        directory: _Dir,
+        manifest: fmt.Manifest,
+        map_location: MapLocation,
+        shards: dict[str, _Shard],
+        verify_each: bool,
+    ) -> None:
+        self.directory, self.manifest, self.map_location = directory, manifest, map_location
+        self.shards, self.verify_each = shards, verify_each
+        self.blobs: dict[tuple[str, str, str], torch.Tensor] = {}  # (file, blob, device) -> uint8 tensor
+
+    def _blob_bytes(self, file: str, name: str, device: torch.device) -> torch.Tensor:
+        key = (file, name, str(device))
+        if key not in self.blobs:
+            if file not in self.shards:
+                expected = (self.manifest.checksum, self.manifest.files[file].digest) if self.verify_each else None
+                self.shards[file] = _open_shard(self.directory, file, expected)
+            shard = self.shards[file]
+            entry = shard.entries.get(name)
+            if entry is None:
+                raise CorruptCheckpointError(f"{self.directory.path!r}: tensor {name!r} is missing from {file!r}.", self.directory.path, file)
+            data = shard.blob(entry)
+            self.blobs[key] = data if device.type == "cpu" else data.to(device)
+        return self.blobs[key]
+
+    def _view(self, t: fmt.TensorRecord, piece: dict[str, Any] | None, device: torch.device) -> torch.Tensor:
+        """Tensor record ``t`` (or its ``piece``) as a view of its blob's bytes on ``device``."""
+        file, blob = (t.file, t.blob) if piece is None else (piece["file"], piece["blob"])
+        shape = t.shape if piece is None else piece["shape"]
+        offset = (t.byte_offset if piece is None else piece.get("byte_offset")) or 0
+        stride_list = t.stride if piece is None else piece.get("stride")
         dtype = getattr(torch, t.dtype)
-        raw = blob_bytes(t.file, t.blob, _device_for(t.device, map_location))
+        raw = self._blob_bytes(file, blob, device)
         item = torch.empty((), dtype=dtype).element_size()
-        offset = t.byte_offset or 0
-        stride = tuple(t.stride) if t.stride is not None else contiguous_strides(t.shape)
-        span = 1 + sum((n - 1) * s for n, s in zip(t.shape, stride)) if all(t.shape) else 0
+        stride = tuple(stride_list) if stride_list is not None else contiguous_strides(shape)
+        span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
         if offset < 0 or offset % item or offset + span * item > raw.numel():
             raise CorruptCheckpointError(
-                f"{path!r}: tensor {format_key_path(t.path)} does not fit its data in {t.file!r}.", path, t.file
+                f"{self.directory.path!r}: tensor {format_key_path(t.path)} does not fit its data in {file!r}.",
+                self.directory.path,
+                file,
             )
         usable = raw[: raw.numel() - raw.numel() % item]
         try:
             typed = usable.view(dtype)
         except RuntimeError:  # misaligned in a file not written by us: copy to aligned memory
             typed = usable.clone().view(dtype)
-        result = typed.as_strided(t.shape, stride, typed.storage_offset() + offset // item)
+        return typed.as_strided(shape, stride, typed.storage_offset() + offset // item)
+
+    def piece(self, index: int, piece: dict[str, Any] | None) -> torch.Tensor:
+        """Piece ``piece`` of tensor ``index`` (``None``: the whole stored tensor), on the CPU."""
+        return self._view(self.manifest.tensors[index], piece, torch.device("cpu"))
+
+    def tensor(self, index: int) -> torch.Tensor:
+        t = self.manifest.tensors[index]
+        device = _device_for(t.device, self.map_location)
+        if t.chunks is None:
+            result = self._view(t, None, device)
+        else:  # a sharded save: the whole tensor, assembled from its pieces
+            result = torch.empty(t.shape, dtype=getattr(torch, t.dtype), device=device)
+            for piece in t.chunks:
+                region = result
+                for dim, (start, length) in enumerate(zip(piece["offsets"], piece["shape"])):
+                    region = region.narrow(dim, start, length)
+                region.copy_(self._view(t, piece, device))
         if t.parameter:
             result = torch.nn.Parameter(result, requires_grad=t.requires_grad)
         elif t.requires_grad:
             result.requires_grad_(True)
         return result
 
-    def unpickle(data: bytes, at: tuple[Any, ...]) -> Any:
-        return _unpickle(data, at, path, map_location, weights_only)
 
-    try:
-        return decode_tree(tree, tensor, unpickle)
-    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, IndexError) as err:
-        # RuntimeError includes RecursionError (absurd nesting) and torch's errors on bad views.
-        raise CorruptCheckpointError(f"{path!r}: {manifest.metadata_file!r} is malformed ({err}).", path) from err
+class ShardFiles:
+    """An opened checkpoint directory for readers of pieces (``distributed.ShardedStorageReader``):
+    the manifest, pieces as CPU views, and the dict with chosen tensors supplied by the caller."""
+
+    def __init__(self, path: str, verify: bool) -> None:
+        self.directory = _Dir(path)
+        self.manifest = _read_manifest(self.directory)
+        check_structure(self.directory, self.manifest)
+        self._tensors = _Tensors(self.directory, self.manifest, None, {}, verify_each=verify)
+
+    def close(self) -> None:
+        """Close the directory; tensors already handed out stay valid (they map the files)."""
+        self.directory.__exit__()
+
+    def piece(self, index: int, piece: dict[str, Any] | None) -> torch.Tensor:
+        return self._tensors.piece(index, piece)
+
+    def load_tree(self, weights_only: bool | None, supplied: Callable[[int], torch.Tensor | None]) -> dict[Any, Any]:
+        """The checkpoint dict; tensor ``i`` is ``supplied(i)`` unless that is ``None`` (then read whole)."""
+        tree = _read_tree(self.directory, self.manifest)
+
+        def tensor(index: int) -> torch.Tensor:
+            given = supplied(index)
+            return self._tensors.tensor(index) if given is None else given
+
+        return _decode(self.directory, self.manifest, tree, tensor, None, weights_only)
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(f"unknown dtype {name!r}")
+    return dtype
 
 
 def _unpickle(data: bytes, at: tuple[Any, ...], path: str, map_location: MapLocation, weights_only: bool | None) -> Any:

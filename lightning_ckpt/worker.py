@@ -356,6 +356,7 @@ def _serve(sock: socket.socket) -> None:
                     global_step=message["global_step"],
                     epoch=message["epoch"],
                     images=_StagedImages(sock, pool, message, backlog),
+                    part=message.get("part"),
                 )
                 reply["result"] = {
                     "nbytes": result.nbytes,

@@ -22,6 +22,7 @@ import ctypes.util
 import errno
 import fcntl
 import json
+import math
 import mmap
 import os
 import queue
@@ -518,12 +519,19 @@ def write_checkpoint(
     global_step: int | None = None,
     epoch: int | None = None,
     images: ImageSource | None = None,
+    part: Part | None = None,
 ) -> WriteResult:
     """Write ``plan`` as a committed checkpoint directory at ``target`` (see the commit protocol).
 
     Shard bytes come from the plan's tensors, or, with ``images``, from shard file images staged
-    in shared memory (the async path).
+    in shared memory (the async path). With ``part``, ``plan`` is this rank's share of a
+    multi-rank save (:func:`write_part`).
     """
+    if part is not None:
+        return write_part(
+            plan, target, shard_writer, part, metadata=metadata, created_by=created_by,
+            global_step=global_step, epoch=epoch, images=images,
+        )
     start = time.perf_counter()
     target = os.path.abspath(os.fspath(target))
     parent = os.path.dirname(target)
@@ -542,29 +550,10 @@ def write_checkpoint(
     try:
         tmp = TempDir(target)
         direct = shard_writer.use_direct(parent)  # probed once per folder
-        files: dict[str, fmt.FileRecord] = {}
+        files = write_shards(plan, tmp.path, shard_writer, direct, images)
         file_of_blob = plan.file_of_blob()
-        weight_map: dict[str, str] = {}
-        for shard in plan.shards:
-            file_path = os.path.join(tmp.path, shard.filename)
-            if images is not None:
-                buffer, offset, size = images.image(shard.filename)
-                files[shard.filename] = shard_writer.write_image(file_path, buffer, offset, size, direct)
-                images.written(shard.filename)
-            else:
-                header, _ = fmt.build_header([(b.name, b.dtype, b.shape, b.nbytes) for b in shard.blobs])
-                files[shard.filename] = shard_writer.write_shard(file_path, header, shard.blobs, direct)
-            if shard.component == "model":
-                weight_map.update({b.name: shard.filename for b in shard.blobs})
-        files[fmt.METADATA_FILE] = write_small(os.path.join(tmp.path, fmt.METADATA_FILE), metadata)
-        model_index = None
-        if weight_map:
-            model_bytes = sum(s.nbytes for s in plan.shards if s.component == "model")
-            index = {"metadata": {"total_size": model_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-            model_index = fmt.MODEL_INDEX_FILE
-            files[model_index] = write_small(
-                os.path.join(tmp.path, model_index), (json.dumps(index, indent=2) + "\n").encode()
-            )
+        model_blobs = [(b, s.filename) for s in plan.shards if s.component == "model" for b in s.blobs]
+        files.update(write_small_files(tmp.path, metadata, model_blobs))
         manifest = fmt.Manifest(
             files=files,
             components={c: [s.filename for s in plan.shards if s.component == c] for c in plan.components},
@@ -587,7 +576,7 @@ def write_checkpoint(
             created_by=created_by,
             global_step=global_step,
             epoch=epoch,
-            model_index_file=model_index,
+            model_index_file=fmt.MODEL_INDEX_FILE if model_blobs else None,
         )
         data = manifest.to_bytes()
         write_small(os.path.join(tmp.path, fmt.MANIFEST_FILE), data)
@@ -612,6 +601,40 @@ def write_checkpoint(
     return WriteResult(target, total, time.perf_counter() - start, len(files) + 1, direct)
 
 
+def write_shards(
+    plan: Plan, folder: str, shard_writer: ShardWriter, direct: bool, images: ImageSource | None
+) -> dict[str, fmt.FileRecord]:
+    """Write every shard of ``plan`` into ``folder`` (fsynced); from ``images`` when staged."""
+    files: dict[str, fmt.FileRecord] = {}
+    for shard in plan.shards:
+        file_path = os.path.join(folder, shard.filename)
+        if images is not None:
+            buffer, offset, size = images.image(shard.filename)
+            files[shard.filename] = shard_writer.write_image(file_path, buffer, offset, size, direct)
+            images.written(shard.filename)
+        else:
+            header, _ = fmt.build_header([(b.name, b.dtype, b.shape, b.nbytes) for b in shard.blobs])
+            files[shard.filename] = shard_writer.write_shard(file_path, header, shard.blobs, direct)
+    return files
+
+
+def write_small_files(
+    folder: str, metadata: bytes, model_blobs: list[tuple[Blob, str]]
+) -> dict[str, fmt.FileRecord]:
+    """``metadata.json`` and, when there are model tensors, the Hugging Face style model index."""
+    files = {fmt.METADATA_FILE: write_small(os.path.join(folder, fmt.METADATA_FILE), metadata)}
+    if model_blobs:
+        weight_map = {blob.name: filename for blob, filename in model_blobs}
+        index = {
+            "metadata": {"total_size": sum(blob.nbytes for blob, _ in model_blobs)},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        files[fmt.MODEL_INDEX_FILE] = write_small(
+            os.path.join(folder, fmt.MODEL_INDEX_FILE), (json.dumps(index, indent=2) + "\n").encode()
+        )
+    return files
+
+
 def remove_checkpoint(path: str) -> None:
     """Remove a checkpoint directory or file at the absolute ``path``.
 
@@ -633,3 +656,247 @@ def remove_checkpoint(path: str) -> None:
     doomed = os.path.join(parent, f".{name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}-removing")
     os.rename(path, doomed)
     clean_stale(parent)  # removes `doomed` (no live lock holds it) and any other leftovers
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-rank saves: every rank writes its part into one shared temporary directory; rank 0
+# commits the whole once every part is durable. Ranks signal through the filesystem, so no
+# collective waits on a write (``distributed.py`` plans the parts).
+
+PART_MARKER = ".lckpt-part-"
+_PART_POLL_SECONDS = 0.02
+
+
+@dataclass(frozen=True)
+class Part:
+    """This rank's share of a multi-rank save.
+
+    ``folder`` is the shared temporary directory, ``.<name>.lckpt-part-<run token>-<save number>``
+    beside the target: the same on every rank (the token is agreed once per run). ``pieces`` say
+    which stored blob holds which part of which tensor (``{"id", "blob", "offsets", "shape"}``
+    plus ``byte_offset``/``stride`` for views); ``tensors`` is the table of every tensor of the
+    checkpoint (equal on every rank; rank 0 writes it), ``layout`` its digest.
+    """
+
+    rank: int
+    world_size: int
+    folder: str
+    pieces: list[dict[str, Any]]
+    tensors: list[dict[str, Any]]
+    layout: str
+    timeout: float
+
+
+def part_folder(target: str, token: str, number: int) -> str:
+    parent, name = os.path.split(target)
+    return os.path.join(parent, f".{name}{PART_MARKER}{token}-{number}")
+
+
+def _part_file(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def _publish(folder: str, name: str, body: dict[str, Any]) -> None:
+    """Make ``name`` appear in ``folder`` complete or not at all (write, fsync, rename, fsync dir)."""
+    staging = os.path.join(folder, f".{name}.tmp")
+    write_small(staging, json.dumps(body).encode())
+    os.rename(staging, os.path.join(folder, name))
+    fsync_dir(folder)
+
+
+def write_part(
+    plan: Plan,
+    target: str | os.PathLike[str],
+    shard_writer: ShardWriter,
+    part: Part,
+    *,
+    metadata: bytes,
+    created_by: dict[str, str],
+    global_step: int | None = None,
+    epoch: int | None = None,
+    images: ImageSource | None = None,
+) -> WriteResult:
+    """Write this rank's shards of a multi-rank save; on rank 0, then commit the whole checkpoint.
+
+    Every rank publishes ``rank-NNNNN.json`` (its files and pieces) once its shards are durable,
+    or ``rank-NNNNN.failed`` with its error. Rank 0 waits for every rank's file (at most
+    ``part.timeout`` seconds), writes the tensor table, ``metadata.json`` and ``manifest.json``,
+    and renames the directory into place: until then nothing loads it, and a save that any rank
+    failed is never committed (the previous checkpoint stays).
+    """
+    start = time.perf_counter()
+    target = os.path.abspath(os.fspath(target))
+    parent = os.path.dirname(target)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as err:
+        raise CheckpointWriteError(f"Cannot create the folder {parent!r} for checkpoint {target!r}: {err}", target) from err
+    if part.rank == 0:
+        if os.path.isdir(target) and not os.path.exists(os.path.join(target, fmt.MANIFEST_FILE)) and os.listdir(target):
+            raise CheckpointWriteError(
+                f"{target!r} is a non-empty directory that is not a lightning_ckpt checkpoint; refusing to replace"
+                " it. Choose another checkpoint path or move that directory away.",
+                target,
+            )
+        clean_stale(parent)
+        clean_stale_parts(parent, keep=os.path.basename(part.folder).rsplit("-", 1)[0])
+    try:
+        os.makedirs(part.folder, exist_ok=True)  # any rank may get here first
+        direct = shard_writer.use_direct(parent)
+        files = write_shards(plan, part.folder, shard_writer, direct, images)
+        file_of_blob = plan.file_of_blob()
+        pieces = [{**p, "file": file_of_blob[(p["component"], p["blob"])]} for p in part.pieces]
+        model_blobs = [[b.name, s.filename, b.nbytes] for s in plan.shards if s.component == "model" for b in s.blobs]
+        _publish(
+            part.folder,
+            _part_file(part.rank),
+            {
+                "rank": part.rank,
+                "layout": part.layout,
+                "files": {name: [r.size, r.digest] for name, r in files.items()},
+                "pieces": pieces,
+                "model_blobs": model_blobs,
+            },
+        )
+    except BaseException as err:
+        if part.rank != 0:
+            with contextlib.suppress(OSError):
+                _publish(part.folder, f"rank-{part.rank:05d}.failed", {"error": f"{type(err).__name__}: {err}"})
+        else:
+            _remove(part.folder)
+        if isinstance(err, (OSError, RuntimeError)):
+            raise CheckpointWriteError(
+                f"Rank {part.rank} failed to write its part of checkpoint {target!r}: {err}. Nothing was"
+                " committed; any checkpoint previously at that path is unchanged.",
+                target,
+            ) from err
+        raise
+    nbytes = sum(r.size for r in files.values())
+    if part.rank != 0:
+        return WriteResult(target, nbytes, time.perf_counter() - start, len(files), direct)
+    try:
+        manifest = _merge_parts(part, target, metadata, created_by, global_step, epoch)
+        data = manifest.to_bytes()
+        write_small(os.path.join(part.folder, fmt.MANIFEST_FILE), data)
+        fsync_dir(part.folder)
+        commit(part.folder, target)
+    except BaseException as err:
+        _remove(part.folder)
+        if isinstance(err, CommittedError):
+            raise CheckpointWriteError(
+                f"Checkpoint {target!r} was committed, but its durability is not guaranteed: {err}", target
+            ) from err
+        if isinstance(err, (OSError, RuntimeError, ValueError)):
+            raise CheckpointWriteError(
+                f"Saving checkpoint {target!r} failed: {err}. Nothing was committed; any checkpoint previously"
+                " at that path is unchanged.",
+                target,
+            ) from err
+        raise
+    total = manifest.total_bytes + len(data)
+    return WriteResult(target, total, time.perf_counter() - start, len(manifest.files) + 1, direct)
+
+
+def _wait_for_parts(part: Part, target: str) -> list[dict[str, Any]]:
+    """Every rank's published part, in rank order (rank 0 only)."""
+    deadline = time.monotonic() + part.timeout
+    bodies: dict[int, dict[str, Any]] = {}
+    while len(bodies) < part.world_size:
+        for rank in range(part.world_size):
+            if rank in bodies:
+                continue
+            failed = os.path.join(part.folder, f"rank-{rank:05d}.failed")
+            if os.path.exists(failed):
+                with open(failed, "rb") as f:
+                    raise RuntimeError(f"rank {rank} could not write its part ({json.loads(f.read())['error']})")
+            with contextlib.suppress(FileNotFoundError):
+                with open(os.path.join(part.folder, _part_file(rank)), "rb") as f:
+                    bodies[rank] = json.loads(f.read())
+        if len(bodies) < part.world_size:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(part.world_size)) - set(bodies))
+                raise RuntimeError(
+                    f"ranks {missing} did not finish their parts of {target!r} within {part.timeout:.0f} s. Every"
+                    " rank must write to the same shared filesystem path; a rank that died or is still writing"
+                    " leaves the save uncommitted. Raise `ShardedCheckpointIO(part_timeout=...)` for slow storage."
+                )
+            time.sleep(_PART_POLL_SECONDS)
+    return [bodies[rank] for rank in range(part.world_size)]
+
+
+def _merge_parts(
+    part: Part,
+    target: str,
+    metadata: bytes,
+    created_by: dict[str, str],
+    global_step: int | None,
+    epoch: int | None,
+) -> fmt.Manifest:
+    """Rank 0: the manifest of the whole checkpoint, from every rank's published part."""
+    bodies = _wait_for_parts(part, target)
+    files: dict[str, fmt.FileRecord] = {}
+    pieces: dict[int, list[dict[str, Any]]] = {}
+    model_blobs: list[tuple[Blob, str]] = []
+    for body in bodies:
+        if body["layout"] != part.layout:
+            raise RuntimeError(
+                f"rank {body['rank']} saved a different set of tensors than rank 0 (names, shapes or dtypes"
+                " differ). Every rank must save the same checkpoint structure."
+            )
+        for name, (size, digest) in body["files"].items():
+            files[name] = fmt.FileRecord(size, digest, body["rank"])
+        for piece in body["pieces"]:
+            pieces.setdefault(piece["id"], []).append(piece)
+        model_blobs += [
+            (Blob("model", name, None, torch.uint8, (nbytes,), nbytes), filename) for name, filename, nbytes in body["model_blobs"]
+        ]
+    for name, record in write_small_files(part.folder, metadata, model_blobs).items():
+        files[name] = fmt.FileRecord(record.size, record.digest, 0)
+    for rank in range(part.world_size):
+        os.remove(os.path.join(part.folder, _part_file(rank)))
+    records = []
+    for index, tensor in enumerate(part.tensors):
+        found = sorted(pieces.get(index, []), key=lambda p: p["offsets"])
+        covered = sum(math.prod(p["shape"]) for p in found)
+        if covered != math.prod(tensor["shape"]):
+            raise RuntimeError(
+                f"the saved pieces of tensor {tensor['path']!r} cover {covered} of its {math.prod(tensor['shape'])}"
+                " elements; every element must be written by exactly one rank"
+            )
+        first = found[0] if found else {"file": fmt.METADATA_FILE, "blob": ""}
+        whole = len(found) == 1 and first["shape"] == tensor["shape"]
+        views = {k: first.get(k) for k in ("byte_offset", "stride")} if whole else {}
+        chunks = None if whole else [
+            {k: p[k] for k in ("file", "blob", "offsets", "shape", "byte_offset", "stride") if p.get(k) is not None}
+            for p in found
+        ]
+        records.append(fmt.TensorRecord(**tensor, file=first["file"], blob=first["blob"], chunks=chunks, **views))
+    components: dict[str, list[str]] = {}
+    for record in records:
+        for name in [record.file] + [c["file"] for c in record.chunks or ()]:
+            if name != fmt.METADATA_FILE and name not in components.setdefault(record.component, []):
+                components[record.component].append(name)
+    return fmt.Manifest(
+        files=files,
+        components={c: sorted(names) for c, names in components.items()},
+        tensors=records,
+        created_by=created_by,
+        global_step=global_step,
+        epoch=epoch,
+        format_version=fmt.SHARDED_FORMAT_VERSION,
+        model_index_file=fmt.MODEL_INDEX_FILE if model_blobs else None,
+        extra={"world_size": part.world_size},
+    )
+
+
+def clean_stale_parts(folder: str, keep: str) -> list[str]:
+    """Remove the shared temporary directories of multi-rank saves from other runs (crashed or
+    killed saves); ``keep`` is this run's prefix (``.<name>.lckpt-part-<token>``)."""
+    token = keep.split(PART_MARKER, 1)[-1]
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(folder):
+            if name.startswith(".") and PART_MARKER in name and name.split(PART_MARKER, 1)[1].rsplit("-", 1)[0] != token:
+                _remove(os.path.join(folder, name))
+                removed.append(name)
+    return removed

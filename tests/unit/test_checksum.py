@@ -81,8 +81,8 @@ def test_unknown_algorithm_is_unsupported_and_v1_must_be_crc32(tmp_path):
         fmt.Manifest.from_bytes(_sealed({**body, "checksum": "blake9"}), "x")
     with pytest.raises(lc.CorruptCheckpointError, match="version 1"):
         fmt.Manifest.from_bytes(_sealed({**body, "format_version": 1}), "x")
-    with pytest.raises(lc.UnsupportedFormatError, match="version 3"):
-        fmt.Manifest.from_bytes(_sealed({**body, "format_version": 3}), "x")
+    with pytest.raises(lc.UnsupportedFormatError, match=f"version {fmt.READ_FORMAT_VERSION + 1}"):
+        fmt.Manifest.from_bytes(_sealed({**body, "format_version": fmt.READ_FORMAT_VERSION + 1}), "x")
 
 
 def test_mapped_digest_matches_over_chunk_boundaries(tmp_path, monkeypatch):

@@ -71,7 +71,7 @@ def test_flipped_byte_in_manifest_is_caught(tmp_path):
 
 def test_future_format_version_is_refused_with_upgrade_hint(tmp_path):
     path = _save(tmp_path)
-    _rewrite_manifest(path, lambda m: m.update(format_version=fmt.FORMAT_VERSION + 1))
+    _rewrite_manifest(path, lambda m: m.update(format_version=fmt.READ_FORMAT_VERSION + 1))
     with pytest.raises(lc.UnsupportedFormatError, match="Upgrade lightning_ckpt"):
         lc.load_checkpoint(path)
 

@@ -1,0 +1,115 @@
+"""Where Lightning's strategies decide how a checkpoint is saved and loaded.
+
+Multi-rank saves go through :meth:`ShardedCheckpointIO.save_sharded` on every rank when the
+strategy's state is sharded (``ModelParallelStrategy`` with ``save_distributed_checkpoint=True``,
+``FSDPStrategy(state_dict_type="sharded")``) or replicated on ranks of one node (DDP).
+``ShardedModelCheckpoint`` routes its saves here, so the stock strategies save in our format.
+
+Loading a sharded checkpoint back into FSDP2 / tensor-parallel modules is the one thing a stock
+strategy cannot be told to do: ``ModelParallelStrategy.load_checkpoint`` never consults the
+``CheckpointIO`` (it recognises only DCP folders and single files). ``ShardedModelParallelStrategy``
+is ``ModelParallelStrategy`` with the same arguments, whose ``save_checkpoint`` and
+``load_checkpoint`` use the plugin.
+"""
+
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
+from typing_extensions import override
+
+from lightning_ckpt import manifest as fmt
+
+
+def sharded_io(strategy: Strategy) -> Any:
+    """The strategy's ``ShardedCheckpointIO`` if its saves should be written by every rank, else ``None``."""
+    from lightning_ckpt.io import ShardedCheckpointIO
+
+    io = strategy.checkpoint_io
+    if not isinstance(io, ShardedCheckpointIO) or strategy.world_size < 2:
+        return None
+    if isinstance(strategy, ModelParallelStrategy):
+        return io if strategy._save_distributed_checkpoint else None
+    if isinstance(strategy, FSDPStrategy):
+        return io if strategy._state_dict_type == "sharded" else None
+    if isinstance(strategy, DDPStrategy):
+        spread = io.spread_writes
+        if spread is None:  # automatic: every rank sees the folder rank 0 sees only on one node
+            spread = strategy.num_nodes == 1
+        return io if spread else None
+    return None
+
+
+def save_sharded(strategy: Strategy, checkpoint: dict[str, Any], filepath: _PATH) -> bool:
+    """Save ``checkpoint`` from every rank if the strategy allows it (see :func:`sharded_io`)."""
+    io = sharded_io(strategy)
+    if io is None:
+        return False
+    io.save_sharded(checkpoint, filepath, strategy.global_rank, strategy.world_size, strategy.broadcast)
+    return True
+
+
+def is_lightning_ckpt(path: _PATH) -> bool:
+    import os
+
+    return os.path.isfile(os.path.join(os.fspath(path), fmt.MANIFEST_FILE))
+
+
+class ShardedModelParallelStrategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` (FSDP2, tensor parallelism) that saves and resumes lightning_ckpt
+    checkpoints: every rank writes its own shards, and resuming reshards them onto the current
+    device mesh (any world size). Takes exactly ``ModelParallelStrategy``'s arguments::
+
+        Trainer(strategy=ShardedModelParallelStrategy(data_parallel_size=2),
+                plugins=[ShardedCheckpointIO()], callbacks=[ShardedModelCheckpoint(...)])
+
+    Stock DCP folders and single-file checkpoints still load as ``ModelParallelStrategy`` loads them.
+    """
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        if storage_options is None and save_sharded(self, checkpoint, filepath):
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if not is_lightning_ckpt(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        from lightning_ckpt.distributed import load_sharded
+
+        assert self.model is not None and self.lightning_module is not None
+        if getattr(self.checkpoint_io, "async_save", False):
+            self.checkpoint_io.wait()  # never read a checkpoint this run is still writing
+        strict = self.lightning_module.strict_loading
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        targets = {
+            "state_dict": get_model_state_dict(self.model),
+            "optimizer_states": [get_optimizer_state_dict(self.model, o) for o in optimizers],
+        }
+        verify = getattr(self.checkpoint_io, "verify_on_load", "full") == "full"
+        checkpoint = load_sharded(checkpoint_path, targets, strict=strict, weights_only=weights_only, verify=verify)
+        self.model.load_state_dict(checkpoint.pop("state_dict"), strict=strict)
+        saved = checkpoint.pop("optimizer_states", [])
+        if len(saved) != len(optimizers):
+            raise ValueError(
+                f"{checkpoint_path}: the checkpoint holds {len(saved)} optimizer state(s), the model configures"
+                f" {len(optimizers)}. Resume with the same `configure_optimizers`."
+            )
+        for optimizer, state in zip(optimizers, saved):
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=StateDictOptions(strict=strict))
+        return checkpoint
+
+
+__all__ = ["ShardedModelParallelStrategy"]

@@ -1,0 +1,163 @@
+"""Run by test_sharded.py as a script: Lightning's launcher re-executes it for the other ranks.
+
+``sharded_fit.py REPORT fit N``: on N CPU ranks (gloo), FSDP2 under ``ShardedModelParallelStrategy``,
+fits 2 epochs saving every epoch through ``ShardedModelCheckpoint``, with the full (gathered)
+model and optimizer state at each save written to ``full-epoch<E>.pt``; then resumes from the
+epoch-0 checkpoint to 2 epochs. Reports whether the resumed run ended bit-identical.
+
+``sharded_fit.py REPORT reshard N CKPT FULL``: on N ranks, resumes from ``CKPT`` and compares the
+full state right after the restore with ``FULL`` (the state gathered when CKPT was saved).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import lightning_ckpt as lc  # noqa: E402
+
+ASYNC = os.environ.get("LCKPT_TEST_ASYNC") == "1"
+
+
+class ShardedNet(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(16, 48), torch.nn.ReLU(), torch.nn.Linear(48, 40), torch.nn.ReLU(), torch.nn.Linear(40, 3)
+        )
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(64, 16, generator=g), torch.randn(64, 3, generator=g))
+        return DataLoader(data, batch_size=8)
+
+
+def full_state(trainer: Trainer, module: LightningModule) -> dict:
+    """The whole model and optimizer state (a collective: every rank calls it)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    optimizer = trainer.optimizers[0]
+    return {
+        "model": get_model_state_dict(module, options=options),
+        "optimizer": get_optimizer_state_dict(module, optimizer, options=options),
+    }
+
+
+class Capture(Callback):
+    """Writes the full state at every epoch end (before the checkpoint callback saves it)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        state = full_state(trainer, pl_module)
+        if trainer.is_global_zero:
+            torch.save(state, os.path.join(self.folder, f"full-epoch{trainer.current_epoch}.pt"))
+
+
+class CaptureRestored(Callback):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module):
+        state = full_state(trainer, pl_module)
+        if trainer.is_global_zero:
+            torch.save(state, self.path)
+        trainer.should_stop = True
+
+
+def trainer(devices: int, callbacks: list, max_epochs: int) -> Trainer:
+    return Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=lc.ShardedModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1),
+        plugins=[lc.ShardedCheckpointIO(async_save=ASYNC)],
+        callbacks=callbacks,
+        max_epochs=max_epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def states_equal(a: dict, b: dict) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(states_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def fit(report: str, devices: int) -> None:
+    folder = os.path.dirname(report)
+    ckpts = os.path.join(folder, f"ckpts-{devices}")
+    seed_everything(0)
+    checkpoint = lc.ShardedModelCheckpoint(dirpath=ckpts, save_top_k=-1, every_n_epochs=1, save_last=True)
+    first = trainer(devices, [Capture(folder), checkpoint], 2)
+    first.fit(ShardedNet())
+    final = full_state(first, first.lightning_module)
+    epoch0 = os.path.join(ckpts, sorted(n for n in os.listdir(ckpts) if n.startswith("epoch=0"))[0])
+    seed_everything(0)
+    resumed = trainer(devices, [lc.ShardedModelCheckpoint(dirpath=ckpts + "-resumed", save_top_k=-1)], 2)
+    resumed.fit(ShardedNet(), ckpt_path=epoch0)
+    after = full_state(resumed, resumed.lightning_module)
+    if first.is_global_zero:
+        with open(report, "w") as f:
+            json.dump(
+                {
+                    "world_size": first.world_size,
+                    "checkpoints": sorted(os.listdir(ckpts)),
+                    "resumed_equals_uninterrupted": states_equal(final, after),
+                    "global_step": resumed.global_step,
+                },
+                f,
+            )
+
+
+def reshard(report: str, devices: int, ckpt: str, full: str) -> None:
+    restored = os.path.join(os.path.dirname(report), f"restored-{devices}.pt")
+    seed_everything(0)
+    run = trainer(devices, [CaptureRestored(restored)], 3)
+    run.fit(ShardedNet(), ckpt_path=ckpt)
+    if run.is_global_zero:
+        same = states_equal(torch.load(full, weights_only=True), torch.load(restored, weights_only=True))
+        with open(report, "w") as f:
+            json.dump({"world_size": run.world_size, "restored_equals_saved": same}, f)
+
+
+if __name__ == "__main__":
+    report, mode, devices = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if mode == "fit":
+        fit(report, devices)
+    else:
+        reshard(report, devices, sys.argv[4], sys.argv[5])
