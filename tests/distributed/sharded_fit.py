@@ -7,6 +7,10 @@ epoch-0 checkpoint to 2 epochs. Reports whether the resumed run ended bit-identi
 
 ``sharded_fit.py REPORT reshard N CKPT FULL``: on N ranks, resumes from ``CKPT`` and compares the
 full state right after the restore with ``FULL`` (the state gathered when CKPT was saved).
+
+``sharded_fit.py REPORT ddp 2 SPREAD``: DDP on 2 ranks, top-2 + last every 2 steps through
+``ShardedModelCheckpoint``, ``spread_writes=SPREAD``; reports the files kept and the bytes each rank
+wrote, then resumes from ``last`` and reports whether the run matches an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -155,9 +159,70 @@ def reshard(report: str, devices: int, ckpt: str, full: str) -> None:
             json.dump({"world_size": run.world_size, "restored_equals_saved": same}, f)
 
 
+class WideNet(LightningModule):
+    """Plain (replicated) parameters of several sizes, for DDP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), *(torch.nn.Linear(64, 64) for _ in range(5)), torch.nn.Linear(64, 3))
+
+    training_step = ShardedNet.training_step
+    configure_optimizers = ShardedNet.configure_optimizers
+    train_dataloader = ShardedNet.train_dataloader
+
+
+def ddp(report: str, spread: bool) -> None:
+    folder = os.path.join(os.path.dirname(report), f"ddp-{spread}")
+
+    def run(max_epochs: int, ckpt_path: str | None = None) -> Trainer:
+        seed_everything(0)
+        checkpoint = lc.ShardedModelCheckpoint(
+            dirpath=folder, monitor="train_loss", save_top_k=2, save_last=True, every_n_train_steps=2
+        )
+        run = Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy="ddp",
+            plugins=[lc.ShardedCheckpointIO(async_save=ASYNC, spread_writes=spread)],
+            callbacks=[checkpoint],
+            max_epochs=max_epochs,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        run.fit(WideNet(), ckpt_path=ckpt_path)
+        return run
+
+    first = run(2)
+    kept = sorted(os.listdir(folder))
+    bytes_by_rank: dict[int, int] = {}
+    for name in kept:
+        manifest = json.load(open(os.path.join(folder, name, "manifest.json")))
+        for file, record in manifest["files"].items():
+            if file.endswith(".safetensors"):  # the state; rank 0 also writes the small metadata files
+                rank = record.get("rank", 0)
+                bytes_by_rank[rank] = bytes_by_rank.get(rank, 0) + record["size"]
+    resumed = run(3, ckpt_path="last")
+    uninterrupted = run(3)
+    same = states_equal(resumed.lightning_module.state_dict(), uninterrupted.lightning_module.state_dict())
+    if first.is_global_zero:
+        with open(report, "w") as f:
+            json.dump(
+                {
+                    "kept": kept,
+                    "best_k": sorted(os.path.basename(p) for p in first.checkpoint_callback.best_k_models),
+                    "bytes_by_rank": bytes_by_rank,
+                    "resumed_equals_uninterrupted": same,
+                },
+                f,
+            )
+
+
 if __name__ == "__main__":
     report, mode, devices = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if mode == "fit":
         fit(report, devices)
+    elif mode == "ddp":
+        ddp(report, sys.argv[4] == "True")
     else:
         reshard(report, devices, sys.argv[4], sys.argv[5])
