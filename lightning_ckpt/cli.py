@@ -1,23 +1,48 @@
 """``python -m lightning_ckpt inspect | verify | convert | bench``.
 
+Checkpoints read: lightning_ckpt directories, single files written by ``torch.save`` (Lightning's
+default ``.ckpt``) and stock DCP folders written by Lightning's sharded strategies
+(``ModelParallelStrategy``, ``FSDPStrategy(state_dict_type="sharded")``).
+
+``inspect --json`` prints one JSON document and nothing else on stdout::
+
+    {"path", "format": "lightning_ckpt" | "torch" | "dcp", "format_version", "global_step", "epoch",
+     "files": [{"name", "bytes", "rank", "digest"}], "total_bytes",
+     "tensors": [{"component", "path", "dtype", "shape", "file", ("chunks")}], ...}
+
+``rank`` is the global rank that wrote the file (0 for single-process saves); ``digest`` is
+``null`` where the format records none. A tensor stored in pieces (multi-rank saves, DCP) has
+its whole ``shape``, ``file`` naming its first piece, and ``chunks``: each piece's ``file``,
+``offsets`` and ``shape`` (and, in our format, its ``blob``).
+
 Exit codes: 0 success; 1 the checkpoint is damaged or the operation failed; 2 bad usage.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
+import pickle
 import sys
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from lightning_ckpt import legacy_dcp
 from lightning_ckpt.errors import CheckpointError
 from lightning_ckpt.io import DEFAULT_MAX_SHARD_SIZE, load_checkpoint, save_checkpoint, verify_checkpoint
-from lightning_ckpt.plan import iter_tensors
+from lightning_ckpt.plan import dtype_name, encode_checkpoint
 from lightning_ckpt.reader import read_manifest
+
+_FORMAT_TORCH = "torch"  # a single file written by torch.save
+_FORMAT_DCP = "dcp"  # a stock torch.distributed.checkpoint folder
+_CONVERT_TARGETS = ("directory", "file")
 
 
 def _human(n: float) -> str:
@@ -28,72 +53,219 @@ def _human(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _inspect(path: str, console: Console) -> int:
-    if not os.path.isdir(path):
-        return _inspect_file(path, console)
+def _int_or_none(value: Any) -> int | None:
+    return value if type(value) is int else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Description: one JSON-ready dict per checkpoint, whatever its format
+
+
+def _describe(path: str) -> dict[str, Any]:
+    if os.path.isdir(path):
+        return _describe_dcp(path) if legacy_dcp.is_dcp_checkpoint(path) else _describe_directory(path)
+    return _describe_file(path)
+
+
+def _describe_directory(path: str) -> dict[str, Any]:
     manifest = read_manifest(path)
-    created = ", ".join(f"{k} {v}" for k, v in sorted(manifest.created_by.items()))
-    console.print(
-        f"[bold]{path}[/bold]\nformat v{manifest.format_version} · epoch {manifest.epoch} · step"
-        f" {manifest.global_step} · {_human(manifest.total_bytes)} in {len(manifest.files)} files + manifest"
-        f"\nwritten by {created}"
-    )
-    table = Table(title="components")
-    for column in ("component", "shards", "tensors", "bytes", "dtypes"):
-        table.add_column(column, justify="right" if column in ("shards", "tensors", "bytes") else "left")
-    for component, files in manifest.components.items():
-        tensors = [t for t in manifest.tensors if t.component == component]
-        dtypes = Counter(t.dtype for t in tensors)
-        table.add_row(
-            component,
-            str(len(files)),
-            str(len(tensors)),
-            _human(sum(manifest.files[f].size for f in files)),
-            ", ".join(f"{d}×{n}" for d, n in dtypes.most_common()),
-        )
-    console.print(table)
-    files = Table(title="files")
-    for column in ("file", "bytes", manifest.checksum):
-        files.add_column(column, justify="right" if column == "bytes" else "left")
-    for name, record in sorted(manifest.files.items()):
-        files.add_row(name, _human(record.size), record.digest)
-    console.print(files)
-    return 0
+    tensors = []
+    for t in manifest.tensors:
+        row = {"component": t.component, "path": list(t.path), "dtype": t.dtype, "shape": list(t.shape), "file": t.file}
+        chunks = getattr(t, "chunks", None)  # multi-rank saves: the pieces of a sharded tensor
+        if chunks is not None:
+            row["chunks"] = chunks
+        tensors.append(row)
+    return {
+        "path": path,
+        "format": manifest.format,
+        "format_version": manifest.format_version,
+        "global_step": manifest.global_step,
+        "epoch": manifest.epoch,
+        "files": [
+            {"name": name, "bytes": r.size, "rank": 0 if r.rank is None else r.rank, "digest": r.digest}
+            for name, r in sorted(manifest.files.items())
+        ],
+        "tensors": tensors,
+        "total_bytes": manifest.total_bytes,
+        "checksum": manifest.checksum,
+        "components": manifest.components,
+        "created_by": manifest.created_by,
+    }
 
 
-def _inspect_file(path: str, console: Console) -> int:
+def _describe_file(path: str) -> dict[str, Any]:
     checkpoint = load_checkpoint(path, weights_only=True)
-    console.print(
-        f"[bold]{path}[/bold]: single-file checkpoint · epoch {checkpoint.get('epoch')} · step"
-        f" {checkpoint.get('global_step')} · {_human(os.path.getsize(path))}"
-    )
-    table = Table(title="top-level keys")
-    for column in ("key", "tensors", "bytes"):
-        table.add_column(column)
-    for key, value in checkpoint.items():
-        tensors = list(iter_tensors(value))
-        table.add_row(str(key), str(len(tensors)), _human(sum(t.numel() * t.element_size() for t in tensors)))
-    console.print(table)
+    if not isinstance(checkpoint, dict):
+        raise ValueError(f"{path!r} holds a {type(checkpoint).__name__}, not a checkpoint dict.")
+    name, size = os.path.basename(path), os.path.getsize(path)
+    return {
+        "path": path,
+        "format": _FORMAT_TORCH,
+        "format_version": None,
+        "global_step": _int_or_none(checkpoint.get("global_step")),
+        "epoch": _int_or_none(checkpoint.get("epoch")),
+        "files": [{"name": name, "bytes": size, "rank": 0, "digest": None}],
+        "tensors": _tensor_rows(checkpoint, lambda key_path: {"file": name}),
+        "total_bytes": size,
+        "keys": [str(k) for k in checkpoint],
+    }
+
+
+def _describe_dcp(path: str) -> dict[str, Any]:
+    layout = legacy_dcp.read_layout(path)  # metadata and meta.pt only: no tensor data is read
+
+    def where(key_path: tuple[Any, ...]) -> dict[str, Any]:
+        chunks = layout.chunks.get(key_path)
+        if chunks is None:
+            return {"file": legacy_dcp.META_FILE}
+        return {
+            "file": chunks[0].file if chunks else None,
+            "chunks": [{"file": c.file, "offsets": list(c.offsets), "shape": list(c.shape)} for c in chunks],
+        }
+
+    files = []
+    for entry in sorted(os.scandir(path), key=lambda e: e.name):
+        if entry.is_file(follow_symlinks=False):
+            size = entry.stat(follow_symlinks=False).st_size
+            files.append({"name": entry.name, "bytes": size, "rank": legacy_dcp.file_rank(entry.name), "digest": None})
+    checkpoint = layout.checkpoint
+    return {
+        "path": path,
+        "format": _FORMAT_DCP,
+        "format_version": layout.version,
+        "global_step": _int_or_none(checkpoint.get("global_step")),
+        "epoch": _int_or_none(checkpoint.get("epoch")),
+        "files": files,
+        "tensors": _tensor_rows(checkpoint, where),
+        "total_bytes": sum(f["bytes"] for f in files),
+        "keys": [str(k) for k in checkpoint],
+        "lightning": layout.has_meta,  # meta.pt present: saved by a Lightning strategy
+    }
+
+
+def _tensor_rows(
+    checkpoint: dict[Any, Any], where: Callable[[tuple[Any, ...]], dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Every tensor of a checkpoint dict, by component as lightning_ckpt's format splits it;
+    ``where(key_path)`` says which file (and chunks) hold it."""
+    _, found = encode_checkpoint(checkpoint, stores=lambda t: True)
+    return [
+        {
+            "component": component,
+            "path": list(key_path),
+            "dtype": dtype_name(t.dtype),
+            "shape": list(t.shape),
+            **where(key_path),
+        }
+        for t, component, key_path in found
+    ]
+
+
+def _json_value(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return str(value)  # a key that JSON has no type for (tuples are lists already)
+
+
+# ----------------------------------------------------------------------------------------------
+# Commands
+
+
+def _inspect(path: str, console: Console, as_json: bool) -> int:
+    doc = _describe(path)
+    if as_json:
+        sys.stdout.write(json.dumps(doc, indent=1, default=_json_value) + "\n")
+        return 0
+    step, epoch, total, count = doc["global_step"], doc["epoch"], _human(doc["total_bytes"]), len(doc["files"])
+    if doc["format"] == _FORMAT_DCP:
+        version = f" v{doc['format_version']}" if doc["format_version"] else ""
+        console.print(
+            f"[bold]{path}[/bold]\nstock DCP checkpoint (torch.distributed.checkpoint{version}) · epoch {epoch}"
+            f" · step {step} · {total} in {count} files\nno checksums: `python -m lightning_ckpt convert {path} DST` makes a"
+            " checksummed lightning_ckpt checkpoint of it"
+        )
+    elif doc["format"] == _FORMAT_TORCH:
+        console.print(f"[bold]{path}[/bold]\nsingle-file checkpoint · epoch {epoch} · step {step} · {total}")
+    else:
+        created = ", ".join(f"{k} {v}" for k, v in sorted(doc["created_by"].items()))
+        console.print(
+            f"[bold]{path}[/bold]\nformat v{doc['format_version']} · epoch {epoch} · step {step} · {total} in"
+            f" {count} files + manifest\nwritten by {created}"
+        )
+    if "keys" in doc:
+        console.print(f"keys: {', '.join(doc['keys'])}", highlight=False)
+    console.print(_components_table(doc))
+    if doc["format"] != _FORMAT_TORCH:
+        console.print(_files_table(doc))
     return 0
 
+
+def _components_table(doc: dict[str, Any]) -> Table:
+    sizes = {f["name"]: f["bytes"] for f in doc["files"]}
+    by_component: dict[str, list[dict[str, Any]]] = {c: [] for c in doc.get("components", {})}
+    for t in doc["tensors"]:
+        by_component.setdefault(t["component"], []).append(t)
+    table = Table(title="components")
+    for column in ("component", "files", "tensors", "bytes", "dtypes"):
+        table.add_column(column, justify="right" if column in ("files", "tensors", "bytes") else "left")
+    for component, tensors in by_component.items():
+        if "components" in doc:  # lightning_ckpt: a component is its shard files
+            files = doc["components"][component]
+            nbytes = sum(sizes[f] for f in files)
+        else:
+            files = {c["file"] for t in tensors for c in t.get("chunks", [t])}
+            nbytes = sum(_tensor_bytes(t) for t in tensors)
+        dtypes = Counter(t["dtype"] for t in tensors)
+        mix = ", ".join(f"{d}×{n}" for d, n in dtypes.most_common())
+        table.add_row(component, str(len(files)), str(len(tensors)), _human(nbytes), mix)
+    return table
+
+
+def _tensor_bytes(row: dict[str, Any]) -> int:
+    n = 1
+    for size in row["shape"]:
+        n *= size
+    return n * torch.empty((), dtype=getattr(torch, row["dtype"])).element_size()
+
+
+def _files_table(doc: dict[str, Any]) -> Table:
+    digests = any(f["digest"] is not None for f in doc["files"])
+    ranks = doc["format"] == _FORMAT_DCP or any(f["rank"] for f in doc["files"])
+    table = Table(title="files")
+    table.add_column("file")
+    table.add_column("bytes", justify="right")
+    if ranks:
+        table.add_column("rank", justify="right")
+    if digests:
+        table.add_column(doc.get("checksum", "digest"))
+    for f in doc["files"]:
+        row = [f["name"], _human(f["bytes"])]
+        row += [str(f["rank"])] if ranks else []
+        row += [f["digest"] or ""] if digests else []
+        table.add_row(*row)
+    return table
 
 
 def _verify(path: str, console: Console) -> int:
-    if not os.path.isdir(path):
+    if not os.path.isdir(path) or legacy_dcp.is_dcp_checkpoint(path):
         load_checkpoint(path, weights_only=True)
-        console.print(f"[yellow]{path}: single-file checkpoint: it loads, but it carries no checksums to verify.")
+        kind = "stock DCP checkpoint" if os.path.isdir(path) else "single-file checkpoint"
+        console.print(f"[yellow]{path}: {kind}: it loads, but it carries no checksums to verify.")
         return 0
     manifest = verify_checkpoint(path)
     console.print(f"[green]OK[/green] {path}: {len(manifest.files)} files + manifest, {_human(manifest.total_bytes)}, all checksums match")
     return 0
 
 
-def _convert(src: str, dst: str, unsafe: bool, max_shard_size: str, console: Console) -> int:
+def _convert(src: str, dst: str, unsafe: bool, max_shard_size: str, to: str | None, console: Console) -> int:
     if os.path.exists(dst):
         console.print(f"[red]error:[/red] destination {dst!r} exists; choose a new path.")
         return 2
+    if to is None:  # the other form: our directories become files, files and DCP folders directories
+        to = "file" if os.path.isdir(src) and not legacy_dcp.is_dcp_checkpoint(src) else "directory"
     checkpoint = load_checkpoint(src, weights_only=not unsafe)
-    if os.path.isdir(src):
+    if to == "file":
         tmp = f"{dst}.lckpt-convert-{os.getpid()}"
         with open(tmp, "wb") as f:
             torch.save(checkpoint, f)
@@ -108,13 +280,25 @@ def _convert(src: str, dst: str, unsafe: bool, max_shard_size: str, console: Con
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_ckpt", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_ckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("inspect", help="show what a checkpoint holds").add_argument("path")
+    inspect = commands.add_parser("inspect", help="show what a checkpoint holds")
+    inspect.add_argument("path")
+    inspect.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
     commands.add_parser("verify", help="check every file's checksum").add_argument("path")
-    convert = commands.add_parser("convert", help="directory <-> single-file .ckpt (the direction follows SRC)")
+    convert = commands.add_parser(
+        "convert", help="between a lightning_ckpt directory and a single-file .ckpt; a stock DCP folder to either"
+    )
     convert.add_argument("src")
     convert.add_argument("dst")
+    convert.add_argument(
+        "--to",
+        choices=_CONVERT_TARGETS,
+        default=None,
+        help="what DST becomes (default: a directory from a file or DCP folder, a file from a directory)",
+    )
     convert.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE)
     convert.add_argument(
         "--unsafe", action="store_true", help="allow arbitrary unpickling (weights_only=False); trusted files only"
@@ -130,16 +314,16 @@ def main(argv: list[str] | None = None) -> int:
     err = Console(stderr=True)
     try:
         if args.command == "inspect":
-            return _inspect(args.path, console)
+            return _inspect(args.path, console, args.json)
         if args.command == "verify":
             return _verify(args.path, console)
-        return _convert(args.src, args.dst, args.unsafe, args.max_shard_size, console)
+        return _convert(args.src, args.dst, args.unsafe, args.max_shard_size, args.to, console)
     except CheckpointError as error:
         err.print(f"[red]error:[/red] {error}", markup=True, highlight=False)
         file = getattr(error, "file", None)
         if file:
             err.print(f"damaged file: {os.path.join(error.path or '', file)}", highlight=False)
         return 1
-    except (OSError, ValueError, RuntimeError) as error:
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as error:
         err.print(f"[red]error:[/red] {error}", highlight=False)
         return 1

@@ -1,7 +1,9 @@
-"""python -m lightning_ckpt inspect | verify | convert: output, exit codes, round trips."""
+"""python -m lightning_ckpt inspect (and --json) | verify | convert: output, exit codes, round trips."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -9,7 +11,9 @@ import sys
 import torch
 
 import lightning_ckpt as lc
+from lightning_ckpt import cli
 from lightning_ckpt.cli import main
+from lightning_ckpt.reader import read_manifest
 
 
 def _checkpoint(tmp_path):
@@ -55,3 +59,80 @@ def test_module_entry_point(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lightning_ckpt", "verify", str(tmp_path / "c.ckpt")], capture_output=True)
     assert proc.returncode == 0, proc.stderr
     assert os.path.isdir(tmp_path / "c.ckpt")
+
+
+def _inspect_json(path, capsys) -> dict:
+    assert main(["inspect", str(path), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)  # the whole of stdout is one document
+
+
+def test_inspect_json_describes_a_directory_checkpoint(tmp_path, capsys):
+    _checkpoint(tmp_path)
+    doc = _inspect_json(tmp_path / "c.ckpt", capsys)
+    manifest = read_manifest(tmp_path / "c.ckpt")
+    assert doc["path"] == str(tmp_path / "c.ckpt")
+    assert doc["format"] == "lightning_ckpt" and doc["format_version"] == lc.FORMAT_VERSION
+    assert doc["global_step"] == 7 and doc["epoch"] == 2
+    assert {f["name"]: (f["bytes"], f["digest"]) for f in doc["files"]} == {
+        name: (r.size, r.digest) for name, r in manifest.files.items()
+    }
+    assert all(f["rank"] == 0 for f in doc["files"])  # single-process save: no rank recorded
+    assert doc["total_bytes"] == manifest.total_bytes
+    tensors = {tuple(t["path"]): t for t in doc["tensors"]}
+    assert tensors[("state_dict", "w")] == {
+        "component": "model",
+        "path": ["state_dict", "w"],
+        "dtype": "float32",
+        "shape": [100],
+        "file": "model-00001-of-00001.safetensors",
+    }
+    assert tensors[("state_dict", "b")]["dtype"] == "int64" and tensors[("state_dict", "b")]["shape"] == [3]
+
+
+def test_inspect_json_gives_the_rank_and_chunks_a_manifest_records(tmp_path, capsys, monkeypatch):
+    _checkpoint(tmp_path)
+    manifest = read_manifest(tmp_path / "c.ckpt")
+
+    chunks = [
+        {"file": "a", "blob": "w.0", "offsets": [0], "shape": [50]},
+        {"file": "b", "blob": "w.1", "offsets": [50], "shape": [50]},
+    ]
+    tensors = [dataclasses.replace(manifest.tensors[0], chunks=chunks), *manifest.tensors[1:]]
+    files = {name: dataclasses.replace(r, rank=i) for i, (name, r) in enumerate(sorted(manifest.files.items()))}
+    monkeypatch.setattr(cli, "read_manifest", lambda path: dataclasses.replace(manifest, files=files, tensors=tensors))
+    doc = _inspect_json(tmp_path / "c.ckpt", capsys)
+    assert [f["rank"] for f in doc["files"]] == list(range(len(files)))
+    assert doc["tensors"][0]["chunks"] == chunks and "chunks" not in doc["tensors"][1]
+
+
+def test_inspect_json_describes_a_single_file_checkpoint(tmp_path, capsys):
+    state = {"epoch": 1, "global_step": 3, "state_dict": {"w": torch.ones(2, 5, dtype=torch.bfloat16)}, "loops": {}}
+    torch.save(state, tmp_path / "single.ckpt")
+    doc = _inspect_json(tmp_path / "single.ckpt", capsys)
+    size = os.path.getsize(tmp_path / "single.ckpt")
+    assert doc["format"] == "torch" and doc["format_version"] is None
+    assert doc["global_step"] == 3 and doc["epoch"] == 1
+    assert doc["files"] == [{"name": "single.ckpt", "bytes": size, "rank": 0, "digest": None}]
+    assert doc["total_bytes"] == size
+    assert doc["tensors"] == [
+        {"component": "model", "path": ["state_dict", "w"], "dtype": "bfloat16", "shape": [2, 5], "file": "single.ckpt"}
+    ]
+    assert main(["inspect", str(tmp_path / "single.ckpt")]) == 0
+    assert "single-file checkpoint" in capsys.readouterr().out
+
+
+def test_inspect_json_prints_nothing_on_stdout_for_a_damaged_checkpoint(tmp_path, capsys):
+    _checkpoint(tmp_path)
+    (tmp_path / "c.ckpt" / "manifest.json").write_text("{")
+    assert main(["inspect", str(tmp_path / "c.ckpt"), "--json"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "manifest" in captured.err
+
+
+def test_convert_to_picks_the_form(tmp_path):
+    state = _checkpoint(tmp_path)
+    torch.save(state, tmp_path / "single.pt")
+    assert main(["convert", str(tmp_path / "single.pt"), str(tmp_path / "copy.pt"), "--to", "file"]) == 0
+    assert torch.load(tmp_path / "copy.pt", weights_only=True)["global_step"] == 7
+    assert main(["convert", str(tmp_path / "c.ckpt"), str(tmp_path / "d.ckpt"), "--to", "directory"]) == 0
+    assert torch.equal(lc.load_checkpoint(tmp_path / "d.ckpt")["state_dict"]["w"], state["state_dict"]["w"])
