@@ -52,7 +52,7 @@ from lightning_ckpt import manifest as fmt
 from lightning_ckpt.compile import install_load_hook, strip_compiled_prefixes
 from lightning_ckpt.memory import memory_stats, release_memory
 from lightning_ckpt.monitor import SaveMonitor, SaveRecord, print_summary, save_line
-from lightning_ckpt.strategies import is_lightning_ckpt, save_sharded
+from lightning_ckpt.strategies import is_lightning_ckpt, save_sharded, sharded_io
 from lightning_ckpt.writer import TempDir, commit
 
 # Checkpoint paths known to exist, per folder (see the module docstring); shared by instances
@@ -527,7 +527,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
 def _write(trainer: pl.Trainer, filepath: str, weights_only: bool) -> None:
     """``Trainer.save_checkpoint`` without its per-file barrier in multi-rank runs (see the module
     docstring); in one process the barrier is a no-op and the Trainer's own method runs."""
-    if trainer.world_size == 1:
+    if trainer.world_size == 1 and sharded_io(trainer.strategy) is None:
         trainer.save_checkpoint(filepath, weights_only)
         return
     with trainer.profiler.profile("save_checkpoint"):

@@ -28,13 +28,14 @@ def sharded_io(strategy: Strategy) -> Any:
     from lightning_ckpt.io import ShardedCheckpointIO
 
     io = strategy.checkpoint_io
-    if not isinstance(io, ShardedCheckpointIO) or strategy.world_size < 2:
+    if not isinstance(io, ShardedCheckpointIO):
         return None
+    # Sharded state, on any number of ranks (one included: the stock path would write DCP files).
     if isinstance(strategy, ModelParallelStrategy):
         return io if strategy._save_distributed_checkpoint else None
     if isinstance(strategy, FSDPStrategy):
         return io if strategy._state_dict_type == "sharded" else None
-    if isinstance(strategy, DDPStrategy):
+    if isinstance(strategy, DDPStrategy) and strategy.world_size > 1:
         spread = io.spread_writes
         if spread is None:  # automatic: every rank sees the folder rank 0 sees only on one node
             spread = strategy.num_nodes == 1
