@@ -30,6 +30,7 @@ _LAZY = {
     "remove_activation_checkpointing": "lightning_ckpt.activation",
     "ShardedCheckpointIO": "lightning_ckpt.io",
     "ShardedModelCheckpoint": "lightning_ckpt.callback",
+    "ShardedFSDPStrategy": "lightning_ckpt.strategies",
     "ShardedModelParallelStrategy": "lightning_ckpt.strategies",
     "ShardedStorageReader": "lightning_ckpt.distributed",
     "load_checkpoint": "lightning_ckpt.io",
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
     )
     from lightning_ckpt.callback import ShardedModelCheckpoint
     from lightning_ckpt.distributed import ShardedStorageReader
-    from lightning_ckpt.strategies import ShardedModelParallelStrategy
+    from lightning_ckpt.strategies import ShardedFSDPStrategy, ShardedModelParallelStrategy
     from lightning_ckpt.io import (
         ShardedCheckpointIO,
         load_checkpoint,
@@ -81,6 +82,7 @@ __all__ = [
     "CorruptCheckpointError",
     "ShardedCheckpointIO",
     "ShardedModelCheckpoint",
+    "ShardedFSDPStrategy",
     "ShardedModelParallelStrategy",
     "ShardedStorageReader",
     "UnsafeCheckpointError",

@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_ckpt import manifest as fmt
@@ -58,16 +59,9 @@ def is_lightning_ckpt(path: _PATH) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), fmt.MANIFEST_FILE))
 
 
-class ShardedModelParallelStrategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` (FSDP2, tensor parallelism) that saves and resumes lightning_ckpt
-    checkpoints: every rank writes its own shards, and resuming reshards them onto the current
-    device mesh (any world size). Takes exactly ``ModelParallelStrategy``'s arguments::
-
-        Trainer(strategy=ShardedModelParallelStrategy(data_parallel_size=2),
-                plugins=[ShardedCheckpointIO()], callbacks=[ShardedModelCheckpoint(...)])
-
-    Stock DCP folders and single-file checkpoints still load as ``ModelParallelStrategy`` loads them.
-    """
+class _ShardedResume(Strategy):
+    """Save through the plugin from every rank; resume from our checkpoints by loading in place
+    into the live sharded model and optimizers (resharding onto the current mesh)."""
 
     @override
     def save_checkpoint(
@@ -94,16 +88,16 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
         if getattr(self.checkpoint_io, "async_save", False):
             self.checkpoint_io.wait()  # never read a checkpoint this run is still writing
         strict = self.lightning_module.strict_loading
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        targets = {
-            "state_dict": get_model_state_dict(self.model),
-            "optimizer_states": [get_optimizer_state_dict(self.model, o) for o in optimizers],
-        }
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
+        targets: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        if optimizers:
+            targets["optimizer_states"] = [get_optimizer_state_dict(self.model, o) for o in optimizers]
         verify = getattr(self.checkpoint_io, "verify_on_load", "full") == "full"
         checkpoint = load_sharded(checkpoint_path, targets, strict=strict, weights_only=weights_only, verify=verify)
         self.model.load_state_dict(checkpoint.pop("state_dict"), strict=strict)
         saved = checkpoint.pop("optimizer_states", [])
-        if len(saved) != len(optimizers):
+        if optimizers and len(saved) != len(optimizers):
             raise ValueError(
                 f"{checkpoint_path}: the checkpoint holds {len(saved)} optimizer state(s), the model configures"
                 f" {len(optimizers)}. Resume with the same `configure_optimizers`."
@@ -113,4 +107,24 @@ class ShardedModelParallelStrategy(ModelParallelStrategy):
         return checkpoint
 
 
-__all__ = ["ShardedModelParallelStrategy"]
+class ShardedModelParallelStrategy(_ShardedResume, ModelParallelStrategy):
+    """``ModelParallelStrategy`` (FSDP2, tensor parallelism) that saves and resumes lightning_ckpt
+    checkpoints: every rank writes its own shards, and resuming reshards them onto the current
+    device mesh (any world size). Takes exactly ``ModelParallelStrategy``'s arguments::
+
+        Trainer(strategy=ShardedModelParallelStrategy(data_parallel_size=2),
+                plugins=[ShardedCheckpointIO()], callbacks=[ShardedModelCheckpoint(...)])
+
+    Stock DCP folders and single-file checkpoints still load as ``ModelParallelStrategy`` loads them.
+    """
+
+
+class ShardedFSDPStrategy(_ShardedResume, FSDPStrategy):
+    """``FSDPStrategy`` that saves and resumes lightning_ckpt checkpoints with
+    ``state_dict_type="sharded"`` (its default here); otherwise exactly ``FSDPStrategy``."""
+
+    def __init__(self, *args: Any, state_dict_type: str = "sharded", **kwargs: Any) -> None:
+        super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
+
+
+__all__ = ["ShardedFSDPStrategy", "ShardedModelParallelStrategy"]
