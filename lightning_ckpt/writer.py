@@ -533,19 +533,7 @@ def write_checkpoint(
             global_step=global_step, epoch=epoch, images=images,
         )
     start = time.perf_counter()
-    target = os.path.abspath(os.fspath(target))
-    parent = os.path.dirname(target)
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as err:
-        raise CheckpointWriteError(f"Cannot create the folder {parent!r} for checkpoint {target!r}: {err}", target) from err
-    if os.path.isdir(target) and not os.path.exists(os.path.join(target, fmt.MANIFEST_FILE)) and os.listdir(target):
-        raise CheckpointWriteError(
-            f"{target!r} is a non-empty directory that is not a lightning_ckpt checkpoint; refusing to replace it."
-            " Choose another checkpoint path or move that directory away.",
-            target,
-        )
-    clean_stale(parent)
+    target, parent = _prepare_target(target, replaces=True)
     tmp = None
     try:
         tmp = TempDir(target)
@@ -585,20 +573,48 @@ def write_checkpoint(
     except BaseException as err:
         if tmp is not None:
             tmp.release(remove=True)
-        if isinstance(err, CommittedError):
-            raise CheckpointWriteError(
-                f"Checkpoint {target!r} was committed, but its durability is not guaranteed: {err}", target
-            ) from err
-        if isinstance(err, (OSError, RuntimeError)):
-            raise CheckpointWriteError(
-                f"Saving checkpoint {target!r} failed: {err}. Nothing was committed; any checkpoint"
-                " previously at that path is unchanged.",
-                target,
-            ) from err
-        raise
+        error = _write_error(err, target)
+        if error is None:
+            raise
+        raise error from err
     tmp.release(remove=False)
     total = manifest.total_bytes + len(data)
     return WriteResult(target, total, time.perf_counter() - start, len(files) + 1, direct)
+
+
+def _prepare_target(target: str | os.PathLike[str], replaces: bool) -> tuple[str, str]:
+    """(absolute target, its folder), the folder created. With ``replaces`` (the process that
+    commits): refuse to replace a directory that is not a checkpoint, and clean crashed saves."""
+    target = os.path.abspath(os.fspath(target))
+    parent = os.path.dirname(target)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as err:
+        raise CheckpointWriteError(f"Cannot create the folder {parent!r} for checkpoint {target!r}: {err}", target) from err
+    if not replaces:
+        return target, parent
+    if os.path.isdir(target) and not os.path.exists(os.path.join(target, fmt.MANIFEST_FILE)) and os.listdir(target):
+        raise CheckpointWriteError(
+            f"{target!r} is a non-empty directory that is not a lightning_ckpt checkpoint; refusing to replace it."
+            " Choose another checkpoint path or move that directory away.",
+            target,
+        )
+    clean_stale(parent)
+    return target, parent
+
+
+def _write_error(err: BaseException, target: str, writer: str = "Saving checkpoint") -> CheckpointWriteError | None:
+    """The ``CheckpointWriteError`` a failed save raises, saying whether anything was committed;
+    ``None`` for what is not a write failure (an interrupt), which propagates as it is."""
+    if isinstance(err, CommittedError):
+        return CheckpointWriteError(f"Checkpoint {target!r} was committed, but its durability is not guaranteed: {err}", target)
+    if isinstance(err, (OSError, RuntimeError, ValueError)):
+        return CheckpointWriteError(
+            f"{writer} {target!r} failed: {err}. Nothing was committed; any checkpoint previously at that path"
+            " is unchanged.",
+            target,
+        )
+    return None
 
 
 def write_shards(
@@ -725,20 +741,8 @@ def write_part(
     failed is never committed (the previous checkpoint stays).
     """
     start = time.perf_counter()
-    target = os.path.abspath(os.fspath(target))
-    parent = os.path.dirname(target)
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as err:
-        raise CheckpointWriteError(f"Cannot create the folder {parent!r} for checkpoint {target!r}: {err}", target) from err
+    target, parent = _prepare_target(target, replaces=part.rank == 0)
     if part.rank == 0:
-        if os.path.isdir(target) and not os.path.exists(os.path.join(target, fmt.MANIFEST_FILE)) and os.listdir(target):
-            raise CheckpointWriteError(
-                f"{target!r} is a non-empty directory that is not a lightning_ckpt checkpoint; refusing to replace"
-                " it. Choose another checkpoint path or move that directory away.",
-                target,
-            )
-        clean_stale(parent)
         clean_stale_parts(parent, keep=os.path.basename(part.folder).rsplit("-", 1)[0])
     try:
         os.makedirs(part.folder, exist_ok=True)  # any rank may get here first
@@ -764,13 +768,10 @@ def write_part(
                 _publish(part.folder, f"rank-{part.rank:05d}.failed", {"error": f"{type(err).__name__}: {err}"})
         else:
             _remove(part.folder)
-        if isinstance(err, (OSError, RuntimeError)):
-            raise CheckpointWriteError(
-                f"Rank {part.rank} failed to write its part of checkpoint {target!r}: {err}. Nothing was"
-                " committed; any checkpoint previously at that path is unchanged.",
-                target,
-            ) from err
-        raise
+        error = _write_error(err, target, f"Rank {part.rank} writing its part of checkpoint")
+        if error is None:
+            raise
+        raise error from err
     nbytes = sum(r.size for r in files.values())
     if part.rank != 0:
         return WriteResult(target, nbytes, time.perf_counter() - start, len(files), direct)
@@ -782,17 +783,10 @@ def write_part(
         commit(part.folder, target)
     except BaseException as err:
         _remove(part.folder)
-        if isinstance(err, CommittedError):
-            raise CheckpointWriteError(
-                f"Checkpoint {target!r} was committed, but its durability is not guaranteed: {err}", target
-            ) from err
-        if isinstance(err, (OSError, RuntimeError, ValueError)):
-            raise CheckpointWriteError(
-                f"Saving checkpoint {target!r} failed: {err}. Nothing was committed; any checkpoint previously"
-                " at that path is unchanged.",
-                target,
-            ) from err
-        raise
+        error = _write_error(err, target)
+        if error is None:
+            raise
+        raise error from err
     total = manifest.total_bytes + len(data)
     return WriteResult(target, total, time.perf_counter() - start, len(manifest.files) + 1, direct)
 
