@@ -61,7 +61,30 @@ def is_lightning_ckpt(path: _PATH) -> bool:
 
 class _ShardedResume(Strategy):
     """Save through the plugin from every rank; resume from our checkpoints by loading in place
-    into the live sharded model and optimizers (resharding onto the current mesh)."""
+    into the live sharded model and optimizers (resharding onto the current mesh).
+
+    The state handed to the plugin stays where it lives (no ``cpu_offload``): the plugin copies
+    device memory itself, into its reused staging pool (async) or its bounded buffers (sync),
+    instead of Lightning copying every shard into fresh host memory inside ``dump_checkpoint``.
+    """
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if sharded_io(self) is None:
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        assert self.model is not None
+        return get_model_state_dict(self.model)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if sharded_io(self) is None:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        assert self.model is not None
+        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer))
 
     @override
     def save_checkpoint(
