@@ -92,13 +92,21 @@ def model_layout(param_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
     return [("model.embed.weight", (vocab, hidden)), *blocks]
 
 
-def build_checkpoint(size_bytes: int) -> dict[str, Any]:
-    """A Lightning-style checkpoint of about ``size_bytes``: 1/3 weights, 2/3 AdamW state (fp32)."""
+def build_checkpoint(size_bytes: int, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """A Lightning-style checkpoint of about ``size_bytes``: 1/3 weights, 2/3 AdamW state (fp32).
+
+    Weights and moments are created on ``device``; the ``step`` counters stay on the CPU, as
+    AdamW keeps them (not ``capturable``, not ``fused``).
+    """
     torch.manual_seed(0)
     layout = model_layout(size_bytes // 3)
-    state_dict = {name: torch.randn(shape) for name, shape in layout}
+    state_dict = {name: torch.randn(shape, device=device) for name, shape in layout}
     optimizer_state = {
-        i: {"step": torch.tensor(1.0), "exp_avg": torch.randn(shape), "exp_avg_sq": torch.randn(shape).abs_()}
+        i: {
+            "step": torch.tensor(1.0),
+            "exp_avg": torch.randn(shape, device=device),
+            "exp_avg_sq": torch.randn(shape, device=device).abs_(),
+        }
         for i, (_, shape) in enumerate(layout)
     }
     param_group = {

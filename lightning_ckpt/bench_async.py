@@ -50,6 +50,24 @@ Contenders:
 
 Only the latest durable checkpoint is kept on disk while the loop runs (older ones are removed
 between steps, outside any step's timing); everything is removed after each measurement.
+
+``--device cuda`` puts the weights and moments on the GPU (the ``step`` counters stay on the CPU,
+as AdamW keeps them) and runs the workload there: ``--matmul-size`` defaults to 4096 (fp32), and
+every step ends with ``torch.cuda.current_stream().synchronize()`` (what a loop's ``loss.item()``
+does), so a step's time includes its device work. The update runs as an ``Optimizer.step`` in
+both modes, so global optimizer-step pre-hooks fire where a training loop's would. Work that a save
+leaves queued on the device lands in the step after the save (ShardedCheckpointIO hands a save
+whose device-to-host copies are still landing to its writer from that pre-hook): *stall + next* =
+the step holding the save + the following step - 2 x the baseline median counts it (the loop stops
+once the last save is durable, so a save durable when its call returns and that is the last one has
+no following step and no *stall + next*). On CUDA,
+``dcp_async`` uses ``StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+use_async_staging=False, use_non_blocking_copy=True)`` and ``plain_copy`` is one copy of the state
+into already-allocated pinned host buffers (device to host). With torch < 2.13, ``DefaultStager``
+can stage only once (its ``_stage`` ends by closing its ``StateDictStager``, which empties the
+table of staged storages; the next stage raises ``KeyError``), so there ``dcp_async`` gets a fresh
+stager per save (closed once its save completed): no warm staging buffers, a measured difference of
+that torch version, recorded in the run's notes and ``settings.dcp``.
 """
 
 from __future__ import annotations
@@ -78,6 +96,8 @@ ASYNC_CONTENDERS = ("async_io", "dcp_async", "sharded_async")
 SCHEDULES = ("after-durable", "fixed")
 DEFAULT_SIZE = "3GB"
 MATMUL_SIZE = 1024
+MATMUL_SIZE_CUDA = 4096
+DEVICES = ("cpu", "cuda")
 _UPDATE_WEIGHT = 1e-3
 _UNTIMED_WARMUP = 2
 _CONTENDER_TITLES = {
@@ -236,23 +256,43 @@ class _AsyncIO(_Contender):
         self.io.teardown()
 
 
+def _dcp_stager_reusable() -> bool:
+    """Whether ``DefaultStager`` can stage more than once (torch >= 2.13; see the module docstring)."""
+    major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    return (major, minor) >= (2, 13)
+
+
+def _dcp_staging_options(device: str) -> dict[str, bool]:
+    if device == "cuda":
+        # Page-locked buffers and non-blocking copies (DCP's fast path for device tensors); staging
+        # is synchronous, so the state may be updated as soon as async_save returns.
+        return {"use_pinned_memory": True, "use_shared_memory": False, "use_async_staging": False, "use_non_blocking_copy": True}
+    # DefaultStager() with default options raises on a CPU-only build (pinned memory, async
+    # staging and non-blocking copies need an accelerator); shared memory works on CPU.
+    return {"use_pinned_memory": False, "use_shared_memory": True, "use_async_staging": False, "use_non_blocking_copy": False}
+
+
 class _DcpAsync(_Contender):
     asynchronous = True
 
-    def __init__(self, run_dir: str) -> None:
+    def __init__(self, run_dir: str, device: str = "cpu") -> None:
         super().__init__()
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        # DefaultStager() with default options raises on a CPU-only build (pinned memory, async
-        # staging and non-blocking copies need an accelerator); shared memory works on CPU.
-        self.stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=False, use_shared_memory=True, use_async_staging=False, use_non_blocking_copy=False
+        self.options = _dcp_staging_options(device)
+        self.reuse_stager = _dcp_stager_reusable()
+        if not self.reuse_stager:
+            self.notes.append(
+                f"torch {torch.__version__}: a fresh DefaultStager per save (this version's stager stages only once)"
             )
-        )
+        self.stager = self._new_stager()
+        self.used = False
         self.future: Any = None
         self.waits: list[float] = []
         self.errors: queue.SimpleQueue[str] = queue.SimpleQueue()
+
+    def _new_stager(self) -> Any:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        return DefaultStager(StagingOptions(**self.options))
 
     def save(self, checkpoint: dict[str, Any], path: str) -> None:
         import torch.distributed.checkpoint as dcp
@@ -262,6 +302,10 @@ class _DcpAsync(_Contender):
             start = time.perf_counter()
             self.future.exception()
             self.waits.append(time.perf_counter() - start)
+        if self.used and not self.reuse_stager:
+            self.stager.close()  # its save completed above
+            self.stager = self._new_stager()
+        self.used = True
         self.in_flight.add(path)
         future = dcp.async_save(checkpoint, checkpoint_id=path, async_stager=self.stager)
 
@@ -299,6 +343,16 @@ class _Sharded(_Contender):
         self.asynchronous = asynchronous
         self.io = ShardedCheckpointIO(async_save=asynchronous, max_write_rate=max_write_rate)
         self._handed_off: dict[str, float] = {}  # path -> perf_counter when save_checkpoint returned
+        # path -> perf_counter when the job went to the writer: after save_checkpoint returned when
+        # device copies deferred the hand-off to the next optimizer step (CUDA)
+        self._submitted: dict[str, float] = {}
+        submit = self.io._submit
+
+        def timed_submit(prepared: Any, path: str, images: Any) -> None:
+            self._submitted[path] = time.perf_counter()
+            submit(prepared, path, images)
+
+        self.io._submit = timed_submit  # type: ignore[method-assign]
 
     def save(self, checkpoint: dict[str, Any], path: str) -> None:
         path = os.path.abspath(path)
@@ -314,12 +368,16 @@ class _Sharded(_Contender):
     def _harvest(self) -> None:
         last = self.io.last_save
         if last is not None and last.path in self._handed_off:
-            # last_save.seconds: from the hand-off (end of save_checkpoint) until committed and durable
-            self.done.put((last.path, self._handed_off.pop(last.path) + last.seconds))
+            # last_save.seconds: from the job's submission to the writer until committed and durable;
+            # counted from the end of save_checkpoint, or from a later (deferred) submission
+            start = max(self._handed_off.pop(last.path), self._submitted.pop(last.path, 0.0))
+            self.done.put((last.path, start + last.seconds))
 
     def poll(self) -> list[tuple[str, float]]:
-        if self.asynchronous and self._handed_off and not self.io._worker.busy:
-            self.io.wait()  # nothing in flight: returns at once, raises a background error, sets last_save
+        if self.asynchronous and self._handed_off and self.io._deferred is None and not self.io._worker.busy:
+            # nothing in flight (and no hand-off waiting for device copies, which wait() would
+            # flush and then block on): returns at once, raises a background error, sets last_save
+            self.io.wait()
             self._harvest()
         return super().poll()
 
@@ -331,13 +389,13 @@ class _Sharded(_Contender):
         self.io.teardown()
 
 
-def _make_contender(name: str, run_dir: str, max_write_rate: str | None = None) -> _Contender:
+def _make_contender(name: str, run_dir: str, max_write_rate: str | None = None, device: str = "cpu") -> _Contender:
     if name == "torch_io":
         return _TorchIO(run_dir)
     if name == "async_io":
         return _AsyncIO(run_dir)
     if name == "dcp_async":
-        return _DcpAsync(run_dir)
+        return _DcpAsync(run_dir, device)
     if name == "sharded_async":
         return _Sharded(run_dir, asynchronous=True, max_write_rate=max_write_rate)
     if name == "sharded_sync":
@@ -352,16 +410,31 @@ def _make_contender(name: str, run_dir: str, max_write_rate: str | None = None) 
 class _Workload:
     """The fixed compute of one step: ``matmuls`` products of two ``n`` x ``n`` fp32 matrices."""
 
-    def __init__(self, n: int, matmuls: int) -> None:
+    def __init__(self, n: int, matmuls: int, device: str = "cpu") -> None:
         generator = torch.Generator().manual_seed(1)
-        self.a = torch.randn(n, n, generator=generator) / math.sqrt(n)
-        self.x = torch.randn(n, n, generator=generator)
-        self.out = torch.empty(n, n)
+        self.a = (torch.randn(n, n, generator=generator) / math.sqrt(n)).to(device)
+        self.x = torch.randn(n, n, generator=generator).to(device)
+        self.out = torch.empty(n, n, device=device)
         self.matmuls = matmuls
 
     def __call__(self) -> None:
         for _ in range(self.matmuls):
             torch.mm(self.a, self.x, out=self.out)
+
+
+class _StateUpdate(torch.optim.Optimizer):
+    """The per-step in-place update of every state tensor, ``t.lerp_(target, 1e-3)``, run as an
+    optimizer step so that global optimizer-step pre-hooks fire where a training loop's would."""
+
+    def __init__(self, tensors: list[torch.Tensor], target: torch.Tensor) -> None:
+        super().__init__(tensors, {})
+        self.target = target
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for t in group["params"]:
+                t.lerp_(self.target, _UPDATE_WEIGHT)
 
 
 def _state_tensors(checkpoint: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -371,22 +444,25 @@ def _state_tensors(checkpoint: dict[str, Any]) -> tuple[list[torch.Tensor], list
 
 
 def _train_loop(task: Task) -> Metrics:
-    checkpoint = bench.build_checkpoint(task["size_bytes"])
+    device = task.get("device", "cpu")
+    cuda = device == "cuda"
+    checkpoint = bench.build_checkpoint(task["size_bytes"], device)
     state, counters = _state_tensors(checkpoint)
     nbytes = sum(t.numel() * t.element_size() for t in state + counters)
-    workload = _Workload(task["matmul_size"], task["matmuls"])
-    target = torch.tensor(1e-3)
+    workload = _Workload(task["matmul_size"], task["matmuls"], device)
+    update = _StateUpdate(state, torch.tensor(1e-3, device=device))
 
     @torch.no_grad()
     def step() -> None:
         workload()
-        for t in state:
-            t.lerp_(target, _UPDATE_WEIGHT)
+        update.step()
         for c in counters:
             c.add_(1)
         checkpoint["global_step"] += 1
+        if cuda:
+            torch.cuda.current_stream().synchronize()  # as a loop's loss.item() does
 
-    contender = _make_contender(task["contender"], task["run_dir"], task.get("max_write_rate"))
+    contender = _make_contender(task["contender"], task["run_dir"], task.get("max_write_rate"), device)
     tag, n_saves, every, schedule = task["tag"], task["saves"], task["every"], task["schedule"]
     guard_bytes = 2 * nbytes + GB  # fixed schedule: defer a save while this much memory is not available
     saves: list[dict[str, Any]] = []
@@ -406,6 +482,9 @@ def _train_loop(task: Task) -> Metrics:
         base_median, base_p95 = statistics.median(baseline_steps), _p95(baseline_steps)
         gc.collect()
         before = _memory_snapshot()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            cuda_before = torch.cuda.memory_allocated()
         deadline = time.perf_counter() + task["timeout_s"]
         with bench.RssSampler() as sampler:
             since = 0
@@ -461,6 +540,7 @@ def _train_loop(task: Task) -> Metrics:
                 since = 0
             loop_end = time.perf_counter()
             end_memory = _memory_snapshot()
+            cuda_peak_extra_mb = (torch.cuda.max_memory_allocated() - cuda_before) / MB if cuda else None
             helpers = {pid: bench.proc_status(pid) for pid in contender.helper_pids()}
         helper_pids = contender.helper_pids()
     finally:
@@ -494,6 +574,7 @@ def _train_loop(task: Task) -> Metrics:
             "memory_guard_deferrals": guard_deferrals,
             "removal_seconds": removal_seconds,
             "bytes_on_disk": bytes_on_disk,
+            "cuda_peak_extra_mb": cuda_peak_extra_mb,
         },
     )
 
@@ -522,7 +603,12 @@ def _loop_metrics(
     per_save_writing: list[list[float]] = [[] for _ in saves]
     origin = saves[0]["step_start"] if saves else 0.0
     trace = []  # (start relative to the first save's step, duration, "S<n>" save step | "W" writing | "-")
+    next_step: dict[int, float] = {}  # save index -> duration of the step right after the save's step
+    after: int | None = None
     for start, end, held in steps:
+        if after is not None:
+            next_step[after] = end - start
+        after = held
         if held is not None:
             trace.append((round(start - origin, 4), round(end - start, 4), f"S{held + 1}"))
             continue
@@ -538,12 +624,15 @@ def _loop_metrics(
     for i, s in enumerate(saves):
         memory = s["memory"]
         step_seconds = s["call_end"] - s["step_start"]
+        following = next_step.get(i)
         records.append(
             {
                 "index": s["index"],
                 "call_seconds": s["call_end"] - s["call_start"],
                 "step_seconds": step_seconds,
                 "stall_seconds": step_seconds - base_median,
+                "next_step_seconds": following,
+                "stall_with_next_seconds": None if following is None else step_seconds + following - 2 * base_median,
                 "durable_seconds": s["durable_at"] - s["call_start"],
                 "previous_in_flight": s["previous_in_flight"],
                 "steps_while_writing": len(per_save_writing[i]),
@@ -579,6 +668,10 @@ def _loop_metrics(
         "stall_first_seconds": first[0]["stall_seconds"] if first else None,
         "stall_steady_median_seconds": _median(pick(steady, "stall_seconds")),
         "stall_steady_max_seconds": max(pick(steady, "stall_seconds"), default=None),
+        "stall_with_next_first_seconds": first[0]["stall_with_next_seconds"] if first else None,
+        "stall_with_next_steady_median_seconds": _median(
+            [v for v in pick(steady, "stall_with_next_seconds") if v is not None]
+        ),
         "call_first_seconds": first[0]["call_seconds"] if first else None,
         "call_steady_median_seconds": _median(pick(steady, "call_seconds")),
         "durable_first_seconds": first[0]["durable_seconds"] if first else None,
@@ -630,19 +723,30 @@ def _loop_metrics(
 
 
 def _plain_copy(task: Task) -> Metrics:
-    """One ``copy_`` of the whole state into already-allocated, pre-faulted buffers: a stall's floor."""
-    checkpoint = bench.build_checkpoint(task["size_bytes"])
+    """One ``copy_`` of the whole state into already-allocated, pre-faulted buffers: a stall's floor.
+
+    On CUDA the buffers are page-locked host memory (a device-to-host snapshot's floor).
+    """
+    cuda = task.get("device", "cpu") == "cuda"
+    checkpoint = bench.build_checkpoint(task["size_bytes"], task.get("device", "cpu"))
     state, counters = _state_tensors(checkpoint)
     tensors = state + counters
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    buffers = [torch.empty_like(t) for t in tensors]
+    if cuda:
+        buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    else:
+        buffers = [torch.empty_like(t) for t in tensors]
     for b in buffers:
         b.fill_(0)  # fault every page in
     seconds = []
     for _ in range(3):
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         for b, t in zip(buffers, tensors):
-            b.copy_(t)
+            b.copy_(t, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
     median = statistics.median(seconds)
     return {"metrics": {"state_bytes": nbytes, "seconds": median, "GBps": nbytes / median / GB}, "copies_seconds": seconds}
@@ -661,15 +765,22 @@ def _run_task(task: Task) -> Metrics:
 # Parent side
 
 
-def calibrate_matmuls(target_ms: float, n: int = MATMUL_SIZE) -> tuple[int, float]:
+def calibrate_matmuls(target_ms: float, n: int = MATMUL_SIZE, device: str = "cpu") -> tuple[int, float]:
     """How many ``n`` x ``n`` matmuls take about ``target_ms`` here; (count, ms of one)."""
-    workload = _Workload(n, 1)
+    workload = _Workload(n, 1, device)
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
     for _ in range(2):
         workload()
     times = []
     for _ in range(7):
+        sync()
         start = time.perf_counter()
         workload()
+        sync()
         times.append(time.perf_counter() - start)
     one_ms = statistics.median(times) * 1000
     return max(1, round(target_ms / one_ms)), one_ms
@@ -686,12 +797,14 @@ def render_table(report: dict[str, Any]) -> Any:
     settings = report["settings"]
     table = Table(
         title=(
-            f"lightning_ckpt async benchmark: training loop, state {results['state_bytes'] / GB:.3g} GB,"
+            f"lightning_ckpt async benchmark: training loop on {settings.get('device', 'cpu')}, state"
+            f" {results['state_bytes'] / GB:.3g} GB,"
             f" {settings['saves']} saves every {settings['every']} steps ({settings['schedule']}), medians"
             f" of {settings['repeats']}"
         ),
         caption=(
-            "stall = step holding the save - baseline median step; durable = save call -> bytes durable;"
+            "stall = step holding the save - baseline median step; stall+next = that step + the next one -"
+            " 2 x baseline median; durable = save call -> bytes durable;"
             " writing = steps started while saves 2..N were being written, x baseline median / p95"
             " (p95 x all: saves 1..N);"
             " RSS flat = max-min post-save RSS over saves 2..N"
@@ -702,6 +815,7 @@ def render_table(report: dict[str, Any]) -> Any:
         "stall 1st s",
         "stall steady s",
         "x torch_io",
+        "stall+next steady s",
         "call steady s",
         "durable s",
         "writing med x",
@@ -728,6 +842,7 @@ def render_table(report: dict[str, Any]) -> Any:
             bench._fmt(_m(summary, "stall_first_seconds"), 3),
             bench._fmt(_m(summary, "stall_steady_median_seconds"), 3),
             bench._fmt(ratios["stall_steady_vs_torch_io"].get(name), 3),
+            bench._fmt(_m(summary, "stall_with_next_steady_median_seconds"), 3),
             bench._fmt(_m(summary, "call_steady_median_seconds"), 3),
             bench._fmt(durable, 3),
             bench._fmt(_m(summary, "step_while_writing_steady_median_ratio")),
@@ -743,8 +858,9 @@ def render_table(report: dict[str, Any]) -> Any:
         table.add_section()
         summary = copy["summary"]
         seconds = _m(summary, "seconds") if summary else None
+        label = "plain copy_ to pinned host" if settings.get("device") == "cuda" else "plain copy_"
         table.add_row(
-            f"plain copy_ (floor, {_m(summary, 'GBps') or 0:.1f} GB/s)" if summary else "plain copy_ (error)",
+            f"{label} (floor, {_m(summary, 'GBps') or 0:.1f} GB/s)" if summary else f"{label} (error)",
             "",
             bench._fmt(seconds, 3),
             bench._fmt(ratios.get("plain_copy_vs_torch_io_stall"), 3),
@@ -763,12 +879,20 @@ def _ratios(contenders: dict[str, Metrics], copy: Metrics | None) -> Metrics:
         return entry["summary"] if entry else None
 
     torch_io = summary("torch_io")
-    ratios: Metrics = {"stall_first_vs_torch_io": {}, "stall_steady_vs_torch_io": {}, "call_steady_vs_torch_io": {}}
+    ratios: Metrics = {
+        "stall_first_vs_torch_io": {},
+        "stall_steady_vs_torch_io": {},
+        "stall_with_next_steady_vs_torch_io": {},
+        "call_steady_vs_torch_io": {},
+    }
     for name in contenders:
         s = summary(name)
         ratios["stall_first_vs_torch_io"][name] = _ratio(_m(s, "stall_first_seconds"), _m(torch_io, "stall_first_seconds"))
         ratios["stall_steady_vs_torch_io"][name] = _ratio(
             _m(s, "stall_steady_median_seconds"), _m(torch_io, "stall_steady_median_seconds")
+        )
+        ratios["stall_with_next_steady_vs_torch_io"][name] = _ratio(
+            _m(s, "stall_with_next_steady_median_seconds"), _m(torch_io, "stall_with_next_steady_median_seconds")
         )
         ratios["call_steady_vs_torch_io"][name] = _ratio(
             _m(s, "call_steady_median_seconds"), _m(torch_io, "call_steady_median_seconds")
@@ -779,6 +903,9 @@ def _ratios(contenders: dict[str, Metrics], copy: Metrics | None) -> Metrics:
         "durable_steady": _ratio(_m(ours, "durable_steady_median_seconds"), _m(dcp, "durable_steady_median_seconds")),
         "stall_first": _ratio(_m(ours, "stall_first_seconds"), _m(dcp, "stall_first_seconds")),
         "stall_steady": _ratio(_m(ours, "stall_steady_median_seconds"), _m(dcp, "stall_steady_median_seconds")),
+        "stall_with_next_steady": _ratio(
+            _m(ours, "stall_with_next_steady_median_seconds"), _m(dcp, "stall_with_next_steady_median_seconds")
+        ),
         "peak_rss": _ratio(_m(ours, "peak_rss_mb"), _m(dcp, "peak_rss_mb")),
     }
     copy_summary = copy["summary"] if copy else None
@@ -813,6 +940,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--compute-ms", type=float, default=75.0, help="per-step compute workload, calibrated here once (default 75)"
     )
     parser.add_argument("--matmuls", type=int, default=None, help="matmuls per step (overrides --compute-ms)")
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where the state and the step's compute live (default cpu); cuda: see the module docstring",
+    )
+    parser.add_argument(
+        "--matmul-size",
+        type=int,
+        default=None,
+        help=f"n of the n x n fp32 matmuls of the workload (default {MATMUL_SIZE}; {MATMUL_SIZE_CUDA} with --device cuda)",
+    )
     parser.add_argument(
         "--contenders",
         default=",".join(ALL),
@@ -851,6 +990,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{option} must be at least 1")
     if args.matmuls is not None and args.matmuls < 0:
         parser.error("--matmuls must be >= 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here")
+    matmul_size = args.matmul_size or (MATMUL_SIZE_CUDA if args.device == "cuda" else MATMUL_SIZE)
+    if matmul_size < 1:
+        parser.error("--matmul-size must be at least 1")
 
     log = bench.stderr_logger()
     directory = os.path.abspath(args.dir)
@@ -858,9 +1002,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.matmuls is not None:
         matmuls, one_ms = args.matmuls, None
     else:
-        matmuls, one_ms = calibrate_matmuls(args.compute_ms)
-    log(f"state {nbytes / GB:.3g} GB in {n_tensors} tensors; compute workload {matmuls} x {MATMUL_SIZE}^2 matmuls per step")
+        matmuls, one_ms = calibrate_matmuls(args.compute_ms, matmul_size, args.device)
+    log(
+        f"state {nbytes / GB:.3g} GB in {n_tensors} tensors on {args.device}; compute workload {matmuls} x"
+        f" {matmul_size}^2 matmuls per step"
+    )
     machine = bench.machine_info(directory)
+    if args.device == "cuda":
+        machine["cuda"] = {
+            "device": torch.cuda.get_device_name(),
+            "torch_cuda": torch.version.cuda,
+            "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+            "total_memory_gb": torch.cuda.get_device_properties(0).total_memory / GB,
+        }
     total_ram = machine.get("total_ram_gb")
     if total_ram and total_ram * GB < 3.5 * nbytes:
         log(f"warning: {total_ram:.1f} GB of RAM; contenders that copy the state (async_io, dcp_async) need ~2-3x {nbytes / GB:.2f} GB")
@@ -878,7 +1032,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in names:
                 tag = f"r{r}-{name}"
                 if name == REFERENCE:
-                    task: Task = {"kind": "copy_floor", "size_bytes": size_bytes}
+                    task: Task = {"kind": "copy_floor", "size_bytes": size_bytes, "device": args.device}
                 else:
                     task = {
                         "kind": "async_loop",
@@ -891,7 +1045,8 @@ def main(argv: list[str] | None = None) -> int:
                         "warmup": args.warmup,
                         "schedule": args.schedule,
                         "matmuls": matmuls,
-                        "matmul_size": MATMUL_SIZE,
+                        "matmul_size": matmul_size,
+                        "device": args.device,
                         "timeout_s": args.timeout,
                         "max_write_rate": args.max_write_rate,
                     }
@@ -929,6 +1084,7 @@ def main(argv: list[str] | None = None) -> int:
         **bench.report_header(argv, started),
         "settings": {
             "mode": "async",
+            "device": args.device,
             "size": args.size,
             "repeats": args.repeats,
             "saves": args.saves,
@@ -941,14 +1097,23 @@ def main(argv: list[str] | None = None) -> int:
             "timeout_s": args.timeout,
             "compute": {
                 "matmuls_per_step": matmuls,
-                "matmul_size": MATMUL_SIZE,
+                "matmul_size": matmul_size,
                 "target_ms": None if args.matmuls is not None else args.compute_ms,
                 "one_matmul_ms_at_calibration": one_ms,
             },
-            "update": f"every state tensor t.lerp_(1e-3, {_UPDATE_WEIGHT}) and step counters += 1, each step",
-            "dcp": "async_save THREAD mode, no process group; DefaultStager(StagingOptions(use_pinned_memory=False,"
-            " use_shared_memory=True, use_async_staging=False, use_non_blocking_copy=False)) kept across saves;"
-            " the loop waits for the previous future before restaging",
+            "update": f"every state tensor t.lerp_(1e-3, {_UPDATE_WEIGHT}) (as an Optimizer.step) and step counters"
+            " += 1, each step"
+            + ("; the step ends with torch.cuda.current_stream().synchronize()" if args.device == "cuda" else ""),
+            "dcp": "async_save THREAD mode, no process group; DefaultStager(StagingOptions("
+            + ", ".join(f"{k}={v}" for k, v in _dcp_staging_options(args.device).items())
+            + "))"
+            + (
+                " kept across saves"
+                if _dcp_stager_reusable()
+                else f" created afresh for every save (torch {torch.__version__}: its DefaultStager stages only once,"
+                " then raises KeyError)"
+            )
+            + "; the loop waits for the previous future before restaging",
             "durable": {
                 "torch_io": "save_checkpoint + fsync of the file",
                 "async_io": "the wrapped inner TorchCheckpointIO's save + fsync finished (background thread)",
