@@ -112,3 +112,20 @@ def test_the_next_run_removes_part_folders_of_other_runs(tmp_path):
     (stale / "model-rank00001-00001-of-00001.safetensors").write_bytes(b"x" * 10)
     assert _save_on_ranks(tmp_path / "c.ckpt", [_state(), _state()]) == [None, None]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ckpt"]
+
+
+def test_resuming_our_checkpoint_with_the_stock_model_parallel_strategy_names_the_subclass(tmp_path):
+    from lightning_ckpt.callback import _explain_sharded_resume_error
+
+    path = tmp_path / "c.ckpt"
+    assert _save_on_ranks(path, [_state(), _state()]) == [None, None]
+    # Lightning's words, from ModelParallelStrategy.load_checkpoint (fabric _load_checkpoint).
+    error = ValueError(
+        f"The path {str(path)!r} does not point to a valid checkpoint. Make sure the path points to either a"
+        " directory with distributed checkpoint shards, or a single file with a full checkpoint."
+    )
+    _explain_sharded_resume_error(error)
+    assert "lightning_ckpt.ShardedModelParallelStrategy" in str(error) and str(path) in str(error)
+    unrelated = ValueError(f"The path {str(tmp_path)!r} does not point to a valid checkpoint.")
+    _explain_sharded_resume_error(unrelated)
+    assert "ShardedModelParallelStrategy" not in str(unrelated)
