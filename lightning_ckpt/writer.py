@@ -610,7 +610,7 @@ def _write_error(err: BaseException, target: str, writer: str = "Saving checkpoi
         return CheckpointWriteError(f"Checkpoint {target!r} was committed, but its durability is not guaranteed: {err}", target)
     if isinstance(err, (OSError, RuntimeError, ValueError)):
         return CheckpointWriteError(
-            f"{writer} {target!r} failed: {err}. Nothing was committed; any checkpoint previously at that path"
+            f"{writer} {target!r} failed: {str(err).rstrip('.')}. Nothing was committed; any checkpoint previously at that path"
             " is unchanged.",
             target,
         )
