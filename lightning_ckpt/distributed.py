@@ -41,15 +41,19 @@ from torch.futures import Future
 
 from lightning_ckpt import manifest as fmt
 from lightning_ckpt import reader
-from lightning_ckpt.plan import Found, Plan, _tensor_name, dtype_name, encode_checkpoint, plan_tensors
-from lightning_ckpt.writer import Part
-
-DEFAULT_PART_TIMEOUT = 1800.0  # seconds rank 0 waits for the other ranks' parts (NCCL's default)
+from lightning_ckpt.plan import (
+    Found,
+    Plan,
+    _is_stored_tensor,
+    _tensor_name,
+    dtype_name,
+    encode_checkpoint,
+    plan_tensors,
+)
 
 
 def _stored(value: torch.Tensor) -> bool:
-    from lightning_ckpt.plan import _is_stored_tensor
-
+    """Tensors stored as bytes: plain ones, and the local pieces of DTensors and ShardedTensors."""
     return isinstance(value, DTensor) or _is_sharded_tensor(value) or _is_stored_tensor(value)
 
 
@@ -85,11 +89,13 @@ def _holders(value: torch.Tensor, rank: int, world_size: int) -> tuple[int, ...]
 
 @dataclass(frozen=True)
 class PartPlan:
-    plan: Plan  # this rank's shards
-    tree: Any
-    pieces: list[dict[str, Any]]
-    tensors: list[dict[str, Any]]
-    layout: str
+    """This rank's share of a save, in the terms of ``writer.Part``."""
+
+    plan: Plan  # this rank's shards (file names tagged with the rank)
+    tree: Any  # the checkpoint dict's JSON tree: the same on every rank, written by rank 0
+    pieces: list[dict[str, Any]]  # what this rank writes: tensor id, blob, offsets, shape
+    tensors: list[dict[str, Any]]  # every tensor of the checkpoint (whole shape), in tree order
+    layout: str  # digest of ``tensors``: rank 0 refuses parts whose layout differs from its own
 
 
 def plan_part(checkpoint: dict[Any, Any], rank: int, world_size: int, max_shard_size: int) -> PartPlan:
@@ -149,10 +155,6 @@ def _local(value: torch.Tensor) -> torch.Tensor:
         shards = value.local_shards()  # type: ignore[attr-defined]
         return shards[0].tensor if shards else torch.empty(0)
     return value
-
-
-def make_part(part_plan: PartPlan, rank: int, world_size: int, folder: str, timeout: float) -> Part:
-    return Part(rank, world_size, folder, part_plan.pieces, part_plan.tensors, part_plan.layout, timeout)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -224,7 +224,7 @@ class ShardedCheckpointIO(CheckpointIO):
         staging_pool_size: int | str | None = None,
         on_error: Literal["raise", "warn"] = "raise",
         max_write_rate: int | str | None = None,
-        part_timeout: float = 1800.0,
+        part_timeout: float = writer.DEFAULT_PART_TIMEOUT,
         spread_writes: Optional[bool] = None,
     ) -> None:
         super().__init__()

@@ -680,6 +680,7 @@ def remove_checkpoint(path: str) -> None:
 # collective waits on a write (``distributed.py`` plans the parts).
 
 PART_MARKER = ".lckpt-part-"
+DEFAULT_PART_TIMEOUT = 1800.0  # seconds rank 0 waits for the other ranks' parts (NCCL's default timeout)
 _PART_POLL_SECONDS = 0.02
 
 
