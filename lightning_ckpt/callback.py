@@ -31,6 +31,7 @@ removed, so the callback's state is as if they had not been requested.
 
 import math
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Iterator
@@ -189,11 +190,16 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         # The rank-consistent record of existing checkpoints, from the filesystem (never from an
         # earlier run's memory): one broadcast here, none per save.
         listing = _listing(self.dirpath, self._template_depth()) if trainer.is_global_zero else []
+        # The same broadcast carries the name multi-rank saves give their shared folders.
+        listing, token = trainer.strategy.broadcast((listing, secrets.token_hex(8)))
+        io = sharded_io(trainer.strategy)
+        if io is not None:
+            io.use_part_token(token)
         # One record per folder, shared by every checkpoint callback saving there (as the
         # filesystem would be).
         record = _RECORDS.setdefault(os.path.normpath(os.fspath(self.dirpath or "")), set())
         record.clear()
-        record.update(trainer.strategy.broadcast(listing))
+        record.update(listing)
         self._known = record
         if self.compile_safe and self._load_hook is None:
             self._load_hook = install_load_hook(pl_module)

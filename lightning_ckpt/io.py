@@ -289,7 +289,8 @@ class ShardedCheckpointIO(CheckpointIO):
         Sharded tensors (DTensor, ShardedTensor) are written by the ranks that hold them,
         replicated ones spread over their holders; rank 0 commits the whole once every part is
         durable (see ``distributed.py``). No collective runs, except ``broadcast`` once per run,
-        at the first save, to agree on the name of the shared temporary directory. In async mode
+        at the first save, to agree on the name of the shared temporary directory (none when
+        ``use_part_token`` was called, as ``ShardedModelCheckpoint`` does at setup). In async mode
         every rank stages into its own pool and its own writer process writes; a save still in
         flight is waited for (``when_busy="skip"`` cannot skip one rank's part alone).
         """
@@ -309,6 +310,12 @@ class ShardedCheckpointIO(CheckpointIO):
             return _prepared(checkpoint, planned.plan, planned.tree, part)
 
         self._save(path, prepare, can_skip=False)
+
+    def use_part_token(self, token: str) -> None:
+        """Adopt ``token`` (equal on every rank) to name multi-rank saves' shared folders, so the
+        first save needs no broadcast; ``ShardedModelCheckpoint`` sends it with its setup broadcast."""
+        if self._part_token is None:
+            self._part_token = token
 
     def _save(self, path: str, prepare: Callable[[], _Prepared], can_skip: bool = True) -> None:
         self._flush_deferred()
