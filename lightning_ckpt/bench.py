@@ -271,18 +271,23 @@ def remove_path(path: str) -> None:
         os.remove(path)
 
 
+def write_and_fsync(path: str, flags: int, buffer: memoryview, nbytes: int) -> None:
+    """Write ``nbytes`` to a new file at ``path`` by repeating ``buffer``, then fsync it."""
+    fd = os.open(path, flags, 0o644)
+    try:
+        left = nbytes
+        while left:
+            left -= os.write(fd, buffer[: min(left, len(buffer))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _plain_buffered(path: str, nbytes: int) -> Metrics:
     buffer = memoryview(os.urandom(min(_BUFFERED_CHUNK, nbytes)))  # preallocated, reused
 
     def write() -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            left = nbytes
-            while left:
-                left -= os.write(fd, buffer[: min(left, len(buffer))])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_and_fsync(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, buffer, nbytes)
 
     return {**_measure(write), "bytes_written": nbytes}
 

@@ -452,14 +452,7 @@ def _plain_write(path: str, nbytes: int, direct: bool) -> Metrics:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
     _barrier()
     start = time.perf_counter()
-    fd = os.open(path, flags, 0o644)
-    try:
-        left = nbytes
-        while left:
-            left -= os.write(fd, buffer[: min(left, len(buffer))])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    bench.write_and_fsync(path, flags, buffer, nbytes)
     return {"start": start, "done": time.perf_counter(), "bytes": nbytes}
 
 
