@@ -106,8 +106,11 @@ def plan_part(checkpoint: dict[Any, Any], rank: int, world_size: int, max_shard_
     planner.set_up_planner(flat, None, rank == 0)
     local: SavePlan = planner.create_local_plan()
     load: dict[tuple[int, ...], dict[int, int]] = {}
-    owned: Found = []
-    pieces: list[dict[str, Any]] = []
+    # Pieces only this rank holds, and pieces it writes for several holders, go to different
+    # files: a rank loading its own shards then never reads (and hashes) another rank's big file
+    # for a replicated scalar such as an optimizer's step.
+    owned: dict[bool, Found] = {False: [], True: []}
+    pieces: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     for item in local.items:  # in state-dict order: the same order on every rank
         index = int(item.index.fqn)
         value, component, path = found[index]
@@ -125,10 +128,21 @@ def plan_part(checkpoint: dict[Any, Any], rank: int, world_size: int, max_shard_
         offsets = list(chunk.offsets)
         whole = list(chunk.sizes) == list(value.shape)
         name = _tensor_name(component, path) + ("" if whole else "@" + ",".join(map(str, offsets)))
-        owned.append((planner.resolve_data(item), component, (path[0], name)))
-        pieces.append({"id": index, "component": component, "offsets": offsets, "shape": list(chunk.sizes)})
-    plan = plan_tensors(owned, max_shard_size, file_tag=f"rank{rank:05d}")
-    for piece, spec in zip(pieces, plan.tensors):
+        shared = len(holders) > 1
+        owned[shared].append((planner.resolve_data(item), component, (path[0], name)))
+        pieces[shared].append({"id": index, "component": component, "offsets": offsets, "shape": list(chunk.sizes)})
+    plans = [
+        plan_tensors(owned[shared], max_shard_size, file_tag=f"rank{rank:05d}" + ("-shared" if shared else ""))
+        for shared in (False, True)
+    ]
+    plan = Plan(
+        tree=None,
+        tensors=plans[0].tensors + plans[1].tensors,
+        shards=plans[0].shards + plans[1].shards,
+        components=tuple(dict.fromkeys(plans[0].components + plans[1].components)),
+    )
+    written = pieces[False] + pieces[True]
+    for piece, spec in zip(written, plan.tensors):
         piece["blob"] = spec.blob
         if spec.byte_offset is not None:
             piece.update(byte_offset=spec.byte_offset, stride=list(spec.stride or ()))
@@ -145,7 +159,7 @@ def plan_part(checkpoint: dict[Any, Any], rank: int, world_size: int, max_shard_
         for value, component, path in found
     ]
     layout = fmt.digest(json.dumps(tensors, sort_keys=True).encode())
-    return PartPlan(plan, tree, pieces, tensors, layout)
+    return PartPlan(plan, tree, written, tensors, layout)
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
