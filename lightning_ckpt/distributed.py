@@ -44,6 +44,7 @@ from lightning_ckpt import reader
 from lightning_ckpt.plan import (
     Found,
     Plan,
+    _dtype_from_name,
     _is_stored_tensor,
     _tensor_name,
     dtype_name,
@@ -217,7 +218,7 @@ class ShardedStorageReader(StorageReader):
                 chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(piece["shape"])))
                 storage[MetadataIndex(fqn, offsets)] = (index, piece if record.chunks is not None else None)
             state[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=reader.dtype_of(record.dtype)),
+                properties=TensorProperties(dtype=_dtype_from_name(record.dtype)),
                 size=torch.Size(record.shape),
                 chunks=chunks,
             )

@@ -505,13 +505,6 @@ class ShardFiles:
         return _decode(self.directory, self.manifest, tree, tensor, None, weights_only)
 
 
-def dtype_of(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise CorruptCheckpointError(f"unknown dtype {name!r}")
-    return dtype
-
-
 def _unpickle(data: bytes, at: tuple[Any, ...], path: str, map_location: MapLocation, weights_only: bool | None) -> Any:
     safe = weights_only is None or weights_only
     location = _device_for("cpu", map_location) if not callable(map_location) else map_location

@@ -12,6 +12,7 @@ is ``ModelParallelStrategy`` with the same arguments, whose ``save_checkpoint`` 
 ``load_checkpoint`` use the plugin.
 """
 
+import os
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -54,8 +55,6 @@ def save_sharded(strategy: Strategy, checkpoint: dict[str, Any], filepath: _PATH
 
 
 def is_lightning_ckpt(path: _PATH) -> bool:
-    import os
-
     return os.path.isfile(os.path.join(os.fspath(path), fmt.MANIFEST_FILE))
 
 
