@@ -306,10 +306,6 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("bench", help="benchmark against Lightning's CheckpointIO", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from lightning_ckpt import bench_distributed
-
-        if bench_distributed.requested(argv[1:]):
-            return bench_distributed.main(argv[1:])
         from lightning_ckpt.bench import main as bench_main
 
         return bench_main(argv[1:])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import assert_positive_medians
 
-from lightning_ckpt import bench_async
+from lightning_ckpt.bench import async_loop as bench_async
 
 pytestmark = [
     pytest.mark.gpu,

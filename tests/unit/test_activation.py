@@ -273,7 +273,8 @@ def test_compiled_model_no_recompiles_and_checkpoint_in_the_graph(selective):
 
 
 def test_bench_mode_activations_is_wired_and_judges_the_targets(capsys):
-    from lightning_ckpt import bench, bench_activations
+    from lightning_ckpt import bench
+    from lightning_ckpt.bench import activations as bench_activations
 
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--mode", "activations", "--help"])

@@ -12,7 +12,8 @@ import pytest
 
 from helpers import assert_positive_medians
 
-from lightning_ckpt import bench, bench_async
+from lightning_ckpt import bench
+from lightning_ckpt.bench import async_loop as bench_async
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the benchmark reads Linux /proc")
 

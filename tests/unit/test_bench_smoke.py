@@ -11,6 +11,8 @@ import pytest
 from helpers import assert_positive_medians
 
 from lightning_ckpt import bench
+from lightning_ckpt.bench import report as bench_report
+from lightning_ckpt.bench import save
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the benchmark reads Linux /proc")
 
@@ -56,23 +58,23 @@ def test_bench_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 def test_json_only_when_asked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from rich.table import Table
 
-    parser = bench.build_parser()
+    parser = save.build_parser()
     assert parser.parse_args([]).json_path is None
     assert parser.parse_args(["--json"]).json_path == "-"
     assert parser.parse_args(["--json", "-", "--repeats", "1"]).json_path == "-"
     assert parser.parse_args(["--json", "r.json"]).json_path == "r.json"
-    table, report = Table("size"), {"results": [{"size": "3MB"}]}
+    table, results = Table("size"), {"results": [{"size": "3MB"}]}
     table.add_row("3MB")
 
-    bench.emit_report(table, report, None)  # no --json: the table alone
+    bench_report.emit_report(table, results, None)  # no --json: the table alone
     captured = capsys.readouterr()
     assert "3MB" in captured.out and "{" not in captured.out + captured.err
 
-    bench.emit_report(table, report, "-")  # --json: stdout is the JSON document, the table on stderr
+    bench_report.emit_report(table, results, "-")  # --json: stdout is the JSON document, the table on stderr
     captured = capsys.readouterr()
-    assert json.loads(captured.out) == report and "3MB" in captured.err
+    assert json.loads(captured.out) == results and "3MB" in captured.err
 
-    bench.emit_report(table, report, str(tmp_path / "out" / "r.json"))  # --json PATH: the file
+    bench_report.emit_report(table, results, str(tmp_path / "out" / "r.json"))  # --json PATH: the file
     captured = capsys.readouterr()
     assert "3MB" in captured.out and "{" not in captured.out
-    assert json.loads((tmp_path / "out" / "r.json").read_text()) == report
+    assert json.loads((tmp_path / "out" / "r.json").read_text()) == results

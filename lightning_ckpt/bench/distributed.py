@@ -1,6 +1,6 @@
 """Multi-rank benchmark of checkpoint saves and loads: N CPU ranks (gloo), one shared disk.
 
-``python -m lightning_ckpt bench --mode distributed [...]`` (or ``python -m lightning_ckpt.bench_distributed``).
+``python -m lightning_ckpt bench --mode distributed [...]``.
 
 Every measurement runs in a fresh group of rank processes (``forkserver``: the server imports torch,
 Lightning and this package once, every rank is a fresh process forked from it), joined by a gloo
@@ -36,7 +36,7 @@ Per repeat, in this order (contenders rotated from one repeat to the next):
   before a save would time the disk's discards too). *Stall* = how long the save call blocked, max over ranks. *Durable* =
   from the earliest rank's call to the last rank's completion (sync: the call returned; async:
   ``io.wait()`` returned), on the machine's monotonic clock. *Peak extra RSS* = the rank process's
-  ``VmHWM`` over its RSS just before the save (see ``bench.RssSampler``), max over ranks; the async
+  ``VmHWM`` over its RSS just before the save (see ``measure.RssSampler``), max over ranks; the async
   writer process's own peak RSS is reported apart (it maps the same staging pool).
   After the last save the live model and optimizer state are zeroed, the page cache of the
   checkpoint's files is dropped (``POSIX_FADV_DONTNEED``, as ``--mode save`` does), and the
@@ -50,7 +50,7 @@ Per repeat, in this order (contenders rotated from one repeat to the next):
   size) builds the same model and loads the last stock and ``sharded_sync`` checkpoints of this
   repeat (saved on N ranks), page cache dropped before each, checked against the saved state's
   per-tensor sums.
-* DDP (each a fresh group): the replicated plain-tensor Lightning dict of ``bench.build_checkpoint``
+* DDP (each a fresh group): the replicated plain-tensor Lightning dict of ``workloads.build_checkpoint``
   on every rank (1/3 weights, 2/3 AdamW moments), ``rank0_only``: ``ShardedCheckpointIO().save_checkpoint``
   on rank 0 alone (Lightning's DDP path today); ``spread``: ``save_sharded`` on every rank. Durable
   as above; bytes written per rank from the committed files. ``rank0_only_buffered`` and
@@ -81,7 +81,6 @@ import resource
 import secrets
 import shutil
 import statistics
-import sys
 import time
 import traceback
 import warnings
@@ -92,8 +91,29 @@ from typing import Any
 
 import torch
 
-from lightning_ckpt import bench
-from lightning_ckpt.bench import GB, MB, Metrics, Task, _ratio
+from lightning_ckpt.bench.files import (
+    ALIGN,
+    BUFFERED_CHUNK,
+    DEFAULT_DIR,
+    DIRECT_CHUNK,
+    drop_page_cache,
+    fsync_file,
+    remove_path,
+    run_directory,
+    write_and_fsync,
+)
+from lightning_ckpt.bench.measure import GB, MB, Metrics, RssSampler, Task, m, proc_status, ratio, summarize
+from lightning_ckpt.bench.report import (
+    add_json_argument,
+    emit_report,
+    filesystem_of,
+    fmt,
+    machine_info,
+    report_header,
+    stderr_logger,
+    version,
+)
+from lightning_ckpt.bench.workloads import build_checkpoint, state_bytes
 
 FSDP_CONTENDERS = ("dcp_stock", "sharded_sync", "sharded_sync_buffered", "sharded_async")
 DDP_CONTENDERS = ("rank0_only", "spread", "rank0_only_buffered", "spread_buffered")
@@ -219,7 +239,7 @@ def _lightning_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     return {
         "epoch": 0,
         "global_step": step,
-        "pytorch-lightning_version": bench._version("lightning") or "unknown",
+        "pytorch-lightning_version": version("lightning") or "unknown",
         "state_dict": get_model_state_dict(model, options=options),
         "loops": {"fit_loop": {"state_dict": {}, "epoch_loop.batch_progress": {"total": {"ready": step, "completed": step}}}},
         "callbacks": {},
@@ -244,7 +264,7 @@ def _stock_save(checkpoint: dict[str, Any], path: str, rank: int) -> None:
     _distributed_checkpoint_save(converted, folder)
     if rank == 0:
         torch.save(checkpoint, folder / _METADATA_FILENAME)
-        bench._fsync_file(str(folder / _METADATA_FILENAME))
+        fsync_file(str(folder / _METADATA_FILENAME))
 
 
 def _stock_load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -325,7 +345,7 @@ def _timed(operation: Callable[[], Any], then: Callable[[], Any] | None = None) 
     until durable); times on the monotonic clock, comparable across the ranks' processes."""
     gc.collect()
     _barrier()
-    with bench.RssSampler() as sampler:
+    with RssSampler() as sampler:
         cpu = _cpu_seconds()
         start = time.perf_counter()
         operation()
@@ -353,7 +373,7 @@ def _cpu_seconds() -> float:
 def _timed_load(path: str, load: Callable[[], None], rank: int) -> Metrics:
     _barrier()
     if rank == 0:
-        bench.drop_page_cache(path)
+        drop_page_cache(path)
     return _timed(load)
 
 
@@ -361,7 +381,7 @@ def _writer_rss(io: Any) -> float | None:
     pid = io._worker.pid
     if pid is None:
         return None
-    return bench.proc_status(pid).get("VmHWM", 0) / MB or None
+    return proc_status(pid).get("VmHWM", 0) / MB or None
 
 
 def _fsdp_run(task: Task, rank: int, world_size: int) -> Metrics:
@@ -418,7 +438,7 @@ def _reshard_run(task: Task, rank: int, world_size: int) -> Metrics:
 def _ddp_run(task: Task, rank: int, world_size: int) -> Metrics:
     from lightning_ckpt import ShardedCheckpointIO
 
-    checkpoint = bench.build_checkpoint(task["size_bytes"])  # seeded: the same on every rank
+    checkpoint = build_checkpoint(task["size_bytes"])  # seeded: the same on every rank
     io = ShardedCheckpointIO(**_IO_OPTIONS[task["contender"]])
     saves: list[Metrics] = []
     paths = [os.path.join(task["run_dir"], f"{task['tag']}-save{i + 1}") for i in range(task["saves"])]
@@ -432,7 +452,7 @@ def _ddp_run(task: Task, rank: int, world_size: int) -> Metrics:
             if task["keep_one"]:
                 _barrier()
                 if rank == 0 and i:
-                    bench.remove_path(paths[i - 1])
+                    remove_path(paths[i - 1])
         _barrier()
     finally:
         io.teardown()
@@ -442,17 +462,17 @@ def _ddp_run(task: Task, rank: int, world_size: int) -> Metrics:
 def _plain_write(path: str, nbytes: int, direct: bool) -> Metrics:
     """Write ``nbytes`` sequentially and fsync; the buffer is prepared before the common start."""
     if direct:
-        nbytes = -(-nbytes // bench._ALIGN) * bench._ALIGN
-        raw = mmap.mmap(-1, min(bench._DIRECT_CHUNK, nbytes))  # page-aligned
+        nbytes = -(-nbytes // ALIGN) * ALIGN
+        raw = mmap.mmap(-1, min(DIRECT_CHUNK, nbytes))  # page-aligned
         raw[:] = os.urandom(len(raw))
         buffer = memoryview(raw)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT
     else:
-        buffer = memoryview(os.urandom(min(bench._BUFFERED_CHUNK, nbytes)))
+        buffer = memoryview(os.urandom(min(BUFFERED_CHUNK, nbytes)))
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
     _barrier()
     start = time.perf_counter()
-    bench.write_and_fsync(path, flags, buffer, nbytes)
+    write_and_fsync(path, flags, buffer, nbytes)
     return {"start": start, "done": time.perf_counter(), "bytes": nbytes}
 
 
@@ -473,7 +493,7 @@ def _disk_run(task: Task, rank: int, world_size: int) -> Metrics:
                 result[key] = {"error": f"{type(err).__name__}: {err}"}
             finally:
                 _barrier()
-                bench.remove_path(path)
+                remove_path(path)
                 if rank == 0:
                     os.sync()  # the removal's discards land before the next write is timed
                 _barrier()
@@ -565,7 +585,7 @@ def run_group(task: Task, world_size: int, timeout: float) -> list[Metrics]:
             if process.is_alive():
                 process.kill()
                 process.join()
-        bench.remove_path(store)
+        remove_path(store)
 
 
 def _durable(saves: list[Metrics]) -> float:
@@ -662,16 +682,8 @@ def _disk_metrics(ranks: list[Metrics], world_size: int) -> Metrics:
             out[f"{key}_seconds"] = seconds
             out[f"{key}_GBps"] = sum(r["bytes"] for r in records) / seconds / GB
         one, many = out.get(f"{kind}_1w_seconds"), out.get(f"{kind}_{world_size}w_seconds")
-        out[f"{kind}_{world_size}w_vs_1w_seconds"] = _ratio(many, one)
+        out[f"{kind}_{world_size}w_vs_1w_seconds"] = ratio(many, one)
     return out
-
-
-def _summary(runs: list[Metrics]) -> Metrics | None:
-    return bench._summary(runs) if runs else None
-
-
-def _m(summary: Metrics | None, key: str) -> float | None:
-    return bench._median(summary, key)
 
 
 def _ratios(
@@ -686,7 +698,7 @@ def _ratios(
     for name in FSDP_CONTENDERS[1:]:
         ours = fsdp.get(name)
         ratios["fsdp_ours_over_stock"][name] = {
-            key: _ratio(_m(ours, key), _m(stock, key))
+            key: ratio(m(ours, key), m(stock, key))
             for key in (
                 "stall_first_seconds",
                 "stall_steady_seconds",
@@ -697,7 +709,7 @@ def _ratios(
             )
         }
     ratios["reshard_load_ours_over_stock"] = {
-        size: _ratio(_m(loads.get("sharded_sync"), "seconds"), _m(loads.get("dcp_stock"), "seconds"))
+        size: ratio(m(loads.get("sharded_sync"), "seconds"), m(loads.get("dcp_stock"), "seconds"))
         for size, loads in reshard.items()
     }
     return {**ratios, **_write_ratios(ddp, disk, world_size)}
@@ -708,13 +720,13 @@ def _write_ratios(ddp: dict[str, Metrics | None], disk: Metrics | None, world_si
     for spread, rank0 in (("spread", "rank0_only"), ("spread_buffered", "rank0_only_buffered")):
         if spread in ddp:
             ratios[f"ddp_{spread}_over_{rank0}"] = {
-                key: _ratio(_m(ddp[spread], key), _m(ddp.get(rank0), key))
+                key: ratio(m(ddp[spread], key), m(ddp.get(rank0), key))
                 for key in ("durable_first_seconds", "durable_steady_seconds", "bytes_max_rank")
             }
     return {
         **ratios,
         "disk_n_writers_over_one_seconds": {
-            kind: _m(disk, f"{kind}_{world_size}w_vs_1w_seconds") for kind in DISK_WRITES
+            kind: m(disk, f"{kind}_{world_size}w_vs_1w_seconds") for kind in DISK_WRITES
         },
     }
 
@@ -750,7 +762,6 @@ def render_tables(report: dict[str, Any]) -> Any:
 
     settings, results = report["settings"], report["results"]
     n = settings["world_size"]
-    fmt = bench._fmt
     ratios = results["ratios"]
     reshard = results["reshard"]
     fsdp = Table(
@@ -776,17 +787,17 @@ def render_tables(report: dict[str, Any]) -> Any:
         r = ratios["fsdp_ours_over_stock"].get(name, {})
         cells = [
             _TITLES[name],
-            fmt(_m(s, "stall_first_seconds"), 3),
-            fmt(_m(s, "stall_steady_seconds"), 3),
+            fmt(m(s, "stall_first_seconds"), 3),
+            fmt(m(s, "stall_steady_seconds"), 3),
             fmt(r.get("stall_steady_seconds"), 3),
-            fmt(_m(s, "durable_first_seconds"), 3),
-            fmt(_m(s, "durable_steady_seconds"), 3),
+            fmt(m(s, "durable_first_seconds"), 3),
+            fmt(m(s, "durable_steady_seconds"), 3),
             fmt(r.get("durable_steady_seconds")),
-            fmt(_m(s, "peak_rss_first_mb"), 0),
-            fmt(_m(s, "peak_rss_steady_mb"), 0),
-            fmt(_m(s, "writer_peak_rss_mb"), 0),
-            fmt((_m(s, "bytes_max_rank") or 0) / GB, 3),
-            fmt(_m(s, "load_seconds"), 3),
+            fmt(m(s, "peak_rss_first_mb"), 0),
+            fmt(m(s, "peak_rss_steady_mb"), 0),
+            fmt(m(s, "writer_peak_rss_mb"), 0),
+            fmt((m(s, "bytes_max_rank") or 0) / GB, 3),
+            fmt(m(s, "load_seconds"), 3),
             fmt(r.get("load_seconds")),
         ]
         for size, loads in reshard.items():
@@ -794,8 +805,8 @@ def render_tables(report: dict[str, Any]) -> Any:
             if entry is None:
                 cells += ["", ""]
                 continue
-            ratio = ratios["reshard_load_ours_over_stock"][size] if name == "sharded_sync" else None
-            cells += [fmt(_m(entry["summary"], "seconds"), 3), fmt(ratio)]
+            load_ratio = ratios["reshard_load_ours_over_stock"][size] if name == "sharded_sync" else None
+            cells += [fmt(m(entry["summary"], "seconds"), 3), fmt(load_ratio)]
         fsdp.add_row(*cells)
     ddp = Table(
         title=f"DDP on {n} ranks: the {results['ddp_state_bytes'] / GB:.3g} GB Lightning dict replicated on every rank",
@@ -812,11 +823,11 @@ def render_tables(report: dict[str, Any]) -> Any:
             if s is None:
                 ddp.add_row(_TITLES[name] + suffix, "error", *["-"] * 6)
                 continue
-            durable = _m(s, "durable_steady_seconds")
-            rate = _ratio(_m(s, "bytes_total"), durable)
+            durable = m(s, "durable_steady_seconds")
+            rate = ratio(m(s, "bytes_total"), durable)
             ddp.add_row(
                 _TITLES[name] + suffix,
-                fmt(_m(s, "durable_first_seconds"), 3),
+                fmt(m(s, "durable_first_seconds"), 3),
                 fmt(durable, 3),
                 fmt(
                     where_ratios[f"ddp_{name}_over_{name.replace('spread', 'rank0_only')}"]["durable_steady_seconds"]
@@ -824,8 +835,8 @@ def render_tables(report: dict[str, Any]) -> Any:
                     else 1.0
                 ),
                 fmt(None if rate is None else rate / GB),
-                fmt(_m(s, "cpu_seconds_steady")),
-                fmt(_m(s, "peak_rss_steady_mb"), 0),
+                fmt(m(s, "cpu_seconds_steady")),
+                fmt(m(s, "peak_rss_steady_mb"), 0),
                 " / ".join(f"{b / GB:.3f}" for b in s["bytes_per_rank"]),
             )
     disk = Table(
@@ -839,11 +850,11 @@ def render_tables(report: dict[str, Any]) -> Any:
         for kind in DISK_WRITES:
             disk.add_row(
                 {"buffered": "buffered, 64 MB writes", "direct": "O_DIRECT, 16 MB writes"}[kind] + suffix,
-                fmt(_m(d, f"{kind}_1w_seconds"), 3),
-                fmt(_m(d, f"{kind}_1w_GBps")),
-                fmt(_m(d, f"{kind}_{n}w_seconds"), 3),
-                fmt(_m(d, f"{kind}_{n}w_GBps")),
-                fmt(_m(d, f"{kind}_{n}w_vs_1w_seconds")),
+                fmt(m(d, f"{kind}_1w_seconds"), 3),
+                fmt(m(d, f"{kind}_1w_GBps")),
+                fmt(m(d, f"{kind}_{n}w_seconds"), 3),
+                fmt(m(d, f"{kind}_{n}w_GBps")),
+                fmt(m(d, f"{kind}_{n}w_vs_1w_seconds")),
             )
     targets = Table(title="targets (ours / stock; spread / rank 0 only)")
     for column in ("target", "value", "at most", "met"):
@@ -852,14 +863,6 @@ def render_tables(report: dict[str, Any]) -> Any:
         met = "-" if t["met"] is None else ("yes" if t["met"] else "NO")
         targets.add_row(name, fmt(t["value"], 3), fmt(t["target"]), met)
     return Group(fsdp, ddp, disk, targets)
-
-
-def requested(argv: list[str]) -> bool:
-    """Does ``bench``'s argument list ask for ``--mode distributed``?"""
-    mode_parser = argparse.ArgumentParser(add_help=False)
-    mode_parser.add_argument("--mode")
-    known, _ = mode_parser.parse_known_args(argv)
-    return known.mode == "distributed"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -888,8 +891,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--dir",
-        default=bench.DEFAULT_DIR,
-        help=f"where checkpoints are written, on the filesystem under test (default ./{bench.DEFAULT_DIR})",
+        default=DEFAULT_DIR,
+        help=f"where checkpoints are written, on the filesystem under test (default ./{DEFAULT_DIR})",
     )
     parser.add_argument(
         "--ram-dir",
@@ -897,7 +900,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run the DDP saves and the plain writes in this folder on a RAM-backed filesystem (e.g."
         " /dev/shm): the same comparison where the disk is not the bottleneck (default: not run)",
     )
-    bench.add_json_argument(parser)
+    add_json_argument(parser)
     parser.add_argument("--timeout", type=float, default=1800.0, help="limit per group of rank processes, seconds (default 1800)")
     return parser
 
@@ -922,7 +925,7 @@ def _rotated(names: tuple[str, ...], repeat: int) -> tuple[str, ...]:
 def _remove_all(paths: list[str]) -> None:
     """Remove checkpoints between groups, then let the filesystem's discards land (``os.sync``)."""
     for path in paths:
-        bench.remove_path(path)
+        remove_path(path)
     os.sync()
 
 
@@ -946,10 +949,10 @@ def main(argv: list[str] | None = None) -> int:
     n = args.world_size
     layers, hidden = fsdp_layout(size_bytes)
     fsdp_bytes = fsdp_state_bytes(size_bytes)
-    ddp_bytes, _ = bench.state_bytes(size_bytes)
-    log = bench.stderr_logger()
+    ddp_bytes, _ = state_bytes(size_bytes)
+    log = stderr_logger()
     directory = os.path.abspath(args.dir)
-    machine = bench.machine_info(directory)
+    machine = machine_info(directory)
     machine["loadavg_start"] = os.getloadavg()
     log(
         f"{n} ranks; FSDP2 state {fsdp_bytes / GB:.3g} GB ({layers} x Linear({hidden}, {hidden}) + AdamW),"
@@ -960,7 +963,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"warning: {total_ram:.1f} GB of RAM; the DDP runs hold the whole state on each of {n} ranks")
 
     fsdp_runs: dict[str, list[Metrics]] = {name: [] for name in FSDP_CONTENDERS}
-    reshard_runs = {str(m): {name: [] for name in _RESHARDED} for m in reshard_sizes}
+    reshard_runs = {str(size): {name: [] for name in _RESHARDED} for size in reshard_sizes}
     ddp_runs: dict[str, list[Metrics]] = {name: [] for name in DDP_CONTENDERS}
     disk_runs: list[Metrics] = []
     errors: list[str] = []
@@ -1011,8 +1014,8 @@ def main(argv: list[str] | None = None) -> int:
     ram_disk_runs: list[Metrics] = []
     ram_directory = os.path.abspath(args.ram_dir) if args.ram_dir else None
     with contextlib.ExitStack() as stack:
-        run_dir = stack.enter_context(bench.run_directory(directory))
-        ram_run_dir = stack.enter_context(bench.run_directory(ram_directory)) if ram_directory else None
+        run_dir = stack.enter_context(run_directory(directory))
+        ram_run_dir = stack.enter_context(run_directory(ram_directory)) if ram_directory else None
         needs = [("--dir", run_dir, (args.saves + 2) * fsdp_bytes + args.saves * ddp_bytes)]
         if ram_run_dir is not None:
             needs.append(("--ram-dir", ram_run_dir, args.saves * ddp_bytes))
@@ -1045,15 +1048,15 @@ def main(argv: list[str] | None = None) -> int:
                     kept[name], expected[name] = paths[-1], out[0]["saved_sums"]
                     paths = paths[:-1]
                 _remove_all(paths)
-            for m in reshard_sizes if kept else ():
+            for size in reshard_sizes if kept else ():
                 checkpoints = {name: kept[name] for name in _rotated(tuple(kept), r)}
                 task = {**base, **common, "kind": "reshard", "tag": f"r{r}-reshard", "checkpoints": checkpoints, "expected": expected}
-                out = attempt(f"{step} reshard {n} -> {m} ranks", task, m)
+                out = attempt(f"{step} reshard {n} -> {size} ranks", task, size)
                 for name in kept if out is not None else ():
                     load = _load_metrics([rank[name] for rank in out])  # type: ignore[union-attr]
-                    reshard_runs[str(m)][name].append(load)
+                    reshard_runs[str(size)][name].append(load)
                     if not load["matches"]:
-                        errors.append(f"{step} reshard {n} -> {m} {name}: the loaded state differs from the saved one")
+                        errors.append(f"{step} reshard {n} -> {size} {name}: the loaded state differs from the saved one")
             _remove_all(list(kept.values()))
             writes(r, run_dir, ddp_runs, disk_runs, "", ram=False)
             if ram_run_dir is not None:
@@ -1064,7 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
                     _remove_all([os.path.join(folder, leftover) for leftover in os.listdir(folder)])
 
     def entry(runs: list[Metrics]) -> Metrics:
-        return {"summary": _summary(runs), "runs": runs}
+        return {"summary": summarize(runs), "runs": runs}
 
     fsdp = {name: entry(runs) for name, runs in fsdp_runs.items()}
     reshard = {size: {name: entry(runs) for name, runs in loads.items()} for size, loads in reshard_runs.items()}
@@ -1083,7 +1086,7 @@ def main(argv: list[str] | None = None) -> int:
         ram_disk = entry(ram_disk_runs)
         ram_fs = {
             "dir": ram_directory,
-            "filesystem": bench.filesystem_of(ram_directory),
+            "filesystem": filesystem_of(ram_directory),
             "ddp": ram_ddp,
             "disk": ram_disk,
             "ratios": _write_ratios({k: v["summary"] for k, v in ram_ddp.items()}, ram_disk["summary"], n),
@@ -1104,7 +1107,7 @@ def main(argv: list[str] | None = None) -> int:
         "errors": errors,
     }
     report = {
-        **bench.report_header(argv, started),
+        **report_header(argv, started),
         "settings": {
             "mode": "distributed",
             "size": args.size,
@@ -1136,9 +1139,5 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "results": results,
     }
-    bench.emit_report(render_tables(report), report, args.json_path)
+    emit_report(render_tables(report), report, args.json_path)
     return 1 if errors else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

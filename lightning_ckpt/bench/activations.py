@@ -1,6 +1,6 @@
 """Benchmark of activation checkpointing: peak activation memory and step time of a deep decoder.
 
-``python -m lightning_ckpt bench --mode activations [...]`` (or ``python -m lightning_ckpt.bench_activations``).
+``python -m lightning_ckpt bench --mode activations [...]``.
 
 The model is a pre-norm decoder (``--layers`` blocks of causal self-attention through
 ``scaled_dot_product_attention`` + a 4x MLP, residual dropout 0.1) trained with AdamW on random
@@ -10,7 +10,7 @@ weights (313 MB against 52 MB). Configurations:
 (``selective=True``: matmul and attention outputs kept, the rest recomputed), all through
 :func:`lightning_ckpt.apply_activation_checkpointing`.
 
-Each (configuration, repeat) runs in a fresh ``spawn`` process (``bench.run_in_fresh_process``)
+Each (configuration, repeat) runs in a fresh ``spawn`` process (``measure.run_in_fresh_process``)
 that builds the model and optimizer, runs 2 untimed steps (AdamW state and gradients allocated),
 then measures:
 
@@ -32,9 +32,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from typing import Any
+
+from lightning_ckpt.bench.measure import MB, proc_status, run_in_fresh_process
+from lightning_ckpt.bench.report import add_json_argument, emit_report, machine_info, report_header, stderr_logger
 
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "off": None,
@@ -48,9 +50,6 @@ TARGET_FULL_SAVING = 0.60  # every layer: peak activation memory cut by at least
 TARGET_FULL_SLOWDOWN = 1.40  # ... for at most this step time
 TARGET_SELECTIVE_SHARE = 0.40  # selective: at least this share of every layer's saving
 TARGET_SELECTIVE_SLOWDOWN = 1.15  # ... for at most this step time
-
-MB = 1e6
-
 
 def _build(task: dict[str, Any]) -> tuple[Any, Any, Any]:
     import torch
@@ -97,11 +96,10 @@ def _build(task: dict[str, Any]) -> tuple[Any, Any, Any]:
 
 
 def _rss_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
+    value = proc_status().get(field)
+    if value is None:
+        raise RuntimeError(f"{field} not in /proc/self/status")
+    return value
 
 
 def _measure(task: dict[str, Any]) -> dict[str, Any]:
@@ -164,8 +162,6 @@ def _measure(task: dict[str, Any]) -> dict[str, Any]:
 
 def bench(args: argparse.Namespace, device: str, log: Any) -> dict[str, Any]:
     """Every configuration ``--repeats`` times on ``device`` (rounds), medians per configuration."""
-    from lightning_ckpt.bench import run_in_fresh_process
-
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGS}
     errors: dict[str, str] = {}
     previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
@@ -281,8 +277,6 @@ def render_table(results: list[dict[str, Any]]) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lightning_ckpt.bench import add_json_argument
-
     parser = argparse.ArgumentParser(
         prog="lightning_ckpt bench --mode activations",
         description="Peak activation memory and step time with activation checkpointing off / every layer /"
@@ -306,8 +300,6 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table (and the JSON with ``--json``). Returns 1 if a run failed."""
     import torch
 
-    from lightning_ckpt.bench import emit_report, machine_info, report_header, stderr_logger
-
     parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("layers", "hidden", "heads", "seq", "batch", "vocab", "steps", "repeats"):
@@ -330,7 +322,3 @@ def main(argv: list[str] | None = None) -> int:
     }
     emit_report(render_table(results), report, args.json_path)
     return 1 if any(r["errors"] for r in results) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,10 @@
 """Training-loop benchmark of checkpoint saves: how long a save stalls training, and what it costs
 while it is written in the background.
 
-``python -m lightning_ckpt bench --mode async [...]`` (or ``python -m lightning_ckpt.bench_async``).
+``python -m lightning_ckpt bench --mode async [...]``.
 
-Each contender runs in a fresh ``spawn`` process (see ``bench.run_in_fresh_process``) that builds
-the state of ``bench.build_checkpoint`` (1/3 fp32 weights, 2/3 AdamW ``exp_avg``/``exp_avg_sq``)
+Each contender runs in a fresh ``spawn`` process (see ``measure.run_in_fresh_process``) that builds
+the state of ``workloads.build_checkpoint`` (1/3 fp32 weights, 2/3 AdamW ``exp_avg``/``exp_avg_sq``)
 and runs a simulated training loop on it. Every step does
 
 * a fixed compute workload: ``--matmuls`` products of two 1024x1024 fp32 matrices, calibrated once
@@ -74,20 +74,44 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
-import queue
 import shutil
 import statistics
-import sys
 import time
 from typing import Any
 
 import torch
 
-from lightning_ckpt import bench
-from lightning_ckpt.bench import GB, MB, Metrics, Task, _ratio
-from lightning_ckpt.plan import iter_tensors
+from lightning_ckpt.bench.contenders import Contender, DcpAsync, dcp_stager_reusable, dcp_staging_options, make_contender
+from lightning_ckpt.bench.files import DEFAULT_DIR, path_bytes, remove_path, run_directory
+from lightning_ckpt.bench.measure import (
+    GB,
+    MB,
+    Metrics,
+    RssSampler,
+    Task,
+    delta_mb,
+    m,
+    median,
+    meminfo,
+    memory_snapshot,
+    p95,
+    proc_status,
+    ratio,
+    run_in_fresh_process,
+    summarize,
+)
+from lightning_ckpt.bench.report import add_json_argument, emit_report, fmt, machine_info, report_header, stderr_logger
+from lightning_ckpt.bench.workloads import (
+    MATMUL_SIZE,
+    UPDATE_WEIGHT,
+    MatmulWorkload,
+    StateUpdate,
+    build_checkpoint,
+    calibrate_matmuls,
+    state_bytes,
+    state_tensors,
+)
 
 CONTENDERS = ("torch_io", "async_io", "dcp_async", "sharded_async", "sharded_sync")
 REFERENCE = "plain_copy"
@@ -95,10 +119,8 @@ ALL = (*CONTENDERS, REFERENCE)
 ASYNC_CONTENDERS = ("async_io", "dcp_async", "sharded_async")
 SCHEDULES = ("after-durable", "fixed")
 DEFAULT_SIZE = "3GB"
-MATMUL_SIZE = 1024
 MATMUL_SIZE_CUDA = 4096
 DEVICES = ("cpu", "cuda")
-_UPDATE_WEIGHT = 1e-3
 _UNTIMED_WARMUP = 2
 _CONTENDER_TITLES = {
     "torch_io": "torch_io (sync)",
@@ -110,347 +132,17 @@ _CONTENDER_TITLES = {
 
 
 # ----------------------------------------------------------------------------------------------
-# Child side: memory readings
-
-
-def _meminfo() -> dict[str, int]:
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            return bench.parse_status(f.read())
-    except OSError:
-        return {}
-
-
-def _dev_shm_used() -> int | None:
-    try:
-        return shutil.disk_usage("/dev/shm").used
-    except OSError:
-        return None
-
-
-def _memory_snapshot() -> dict[str, int | None]:
-    status, meminfo = bench.proc_status(), _meminfo()
-    return {
-        "rss": status.get("VmRSS", 0),
-        "anon": status.get("RssAnon", 0),
-        "shmem": status.get("RssShmem", 0),
-        "dev_shm": _dev_shm_used(),
-        "sys_shmem": meminfo.get("Shmem"),
-    }
-
-
-def _delta_mb(after: int | None, before: int | None) -> float | None:
-    return None if after is None or before is None else (after - before) / MB
-
-
-def _p95(values: list[float]) -> float | None:
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=20, method="inclusive")[18]
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def _path_bytes(path: str) -> int:
-    return sum(os.path.getsize(name) for name in bench._files(path))
-
-
-# ----------------------------------------------------------------------------------------------
-# Child side: the contenders
-
-
-class _Contender:
-    """One checkpointing method, seen by the training loop.
-
-    ``save`` is the blocking call; ``poll`` returns ``(path, durable_at)`` (``perf_counter`` time)
-    for saves that became durable since the last poll, without blocking; ``pending`` says whether
-    a save is still being written.
-    """
-
-    asynchronous = False
-
-    def __init__(self) -> None:
-        self.done: queue.SimpleQueue[tuple[str, float]] = queue.SimpleQueue()
-        self.in_flight: set[str] = set()
-        self.notes: list[str] = []
-
-    def save(self, checkpoint: dict[str, Any], path: str) -> None:
-        raise NotImplementedError
-
-    def poll(self) -> list[tuple[str, float]]:
-        finished = []
-        while True:
-            try:
-                path, at = self.done.get_nowait()
-            except queue.Empty:
-                break
-            self.in_flight.discard(path)
-            finished.append((path, at))
-        return finished
-
-    def pending(self) -> bool:
-        return bool(self.in_flight)
-
-    def helper_pids(self) -> list[int]:
-        return []
-
-    def teardown(self) -> None:
-        pass
-
-
-def _fsync_torch_io(done: queue.SimpleQueue[tuple[str, float]]) -> Any:
-    """A ``TorchCheckpointIO`` whose save fsyncs the file and reports when it was durable."""
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-
-    class FsyncTorchCheckpointIO(TorchCheckpointIO):
-        def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
-            bench._fsync_file(os.fspath(path))
-            done.put((os.fspath(path), time.perf_counter()))
-
-    return FsyncTorchCheckpointIO()
-
-
-class _TorchIO(_Contender):
-    def __init__(self, run_dir: str) -> None:
-        super().__init__()
-        # fsspec's transaction writes a tempfile.mkstemp() file and moves it into place; keep it on
-        # the filesystem under test, so the move is a rename (as bench.py does).
-        import tempfile
-
-        tempfile.tempdir = run_dir
-        self.io = _fsync_torch_io(self.done)
-
-    def save(self, checkpoint: dict[str, Any], path: str) -> None:
-        self.in_flight.add(path)
-        self.io.save_checkpoint(checkpoint, path)
-
-
-class _AsyncIO(_Contender):
-    asynchronous = True
-
-    def __init__(self, run_dir: str) -> None:
-        super().__init__()
-        import tempfile
-
-        from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO
-
-        tempfile.tempdir = run_dir
-        self.io = AsyncCheckpointIO(_fsync_torch_io(self.done))
-
-    def save(self, checkpoint: dict[str, Any], path: str) -> None:
-        self.in_flight.add(path)
-        self.io.save_checkpoint(checkpoint, path)
-
-    def poll(self) -> list[tuple[str, float]]:
-        error = getattr(self.io, "_error", None)
-        if error is not None:  # a failed background save never reports durable: fail now
-            raise RuntimeError(f"AsyncCheckpointIO background save failed: {type(error).__name__}: {error}")
-        return super().poll()
-
-    def teardown(self) -> None:
-        self.io.teardown()
-
-
-def _dcp_stager_reusable() -> bool:
-    """Whether ``DefaultStager`` can stage more than once (torch >= 2.13; see the module docstring)."""
-    major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-    return (major, minor) >= (2, 13)
-
-
-def _dcp_staging_options(device: str) -> dict[str, bool]:
-    if device == "cuda":
-        # Page-locked buffers and non-blocking copies (DCP's fast path for device tensors); staging
-        # is synchronous, so the state may be updated as soon as async_save returns.
-        return {"use_pinned_memory": True, "use_shared_memory": False, "use_async_staging": False, "use_non_blocking_copy": True}
-    # DefaultStager() with default options raises on a CPU-only build (pinned memory, async
-    # staging and non-blocking copies need an accelerator); shared memory works on CPU.
-    return {"use_pinned_memory": False, "use_shared_memory": True, "use_async_staging": False, "use_non_blocking_copy": False}
-
-
-class _DcpAsync(_Contender):
-    asynchronous = True
-
-    def __init__(self, run_dir: str, device: str = "cpu") -> None:
-        super().__init__()
-        self.options = _dcp_staging_options(device)
-        self.reuse_stager = _dcp_stager_reusable()
-        if not self.reuse_stager:
-            self.notes.append(
-                f"torch {torch.__version__}: a fresh DefaultStager per save (this version's stager stages only once)"
-            )
-        self.stager = self._new_stager()
-        self.used = False
-        self.future: Any = None
-        self.waits: list[float] = []
-        self.errors: queue.SimpleQueue[str] = queue.SimpleQueue()
-
-    def _new_stager(self) -> Any:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        return DefaultStager(StagingOptions(**self.options))
-
-    def save(self, checkpoint: dict[str, Any], path: str) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        if self.future is not None and not self.future.done():
-            # The stager reuses its buffers: the previous write must finish before they are restaged.
-            start = time.perf_counter()
-            self.future.exception()
-            self.waits.append(time.perf_counter() - start)
-        if self.used and not self.reuse_stager:
-            self.stager.close()  # its save completed above
-            self.stager = self._new_stager()
-        self.used = True
-        self.in_flight.add(path)
-        future = dcp.async_save(checkpoint, checkpoint_id=path, async_stager=self.stager)
-
-        def finished(f: Any, path: str = path) -> None:
-            at = time.perf_counter()
-            error = f.exception()
-            if error is not None:
-                self.errors.put(f"{type(error).__name__}: {error}")
-            else:
-                self.done.put((path, at))
-
-        future.add_done_callback(finished)
-        self.future = future
-
-    def poll(self) -> list[tuple[str, float]]:
-        try:
-            error = self.errors.get_nowait()
-        except queue.Empty:
-            return super().poll()
-        raise RuntimeError(f"DCP async_save failed: {error}")
-
-    def teardown(self) -> None:
-        try:
-            if self.future is not None:
-                self.future.result()
-        finally:
-            self.stager.close()
-
-
-class _Sharded(_Contender):
-    def __init__(self, run_dir: str, asynchronous: bool, max_write_rate: str | None = None) -> None:
-        super().__init__()
-        from lightning_ckpt import ShardedCheckpointIO
-
-        self.asynchronous = asynchronous
-        self.io = ShardedCheckpointIO(async_save=asynchronous, max_write_rate=max_write_rate)
-        self._handed_off: dict[str, float] = {}  # path -> perf_counter when save_checkpoint returned
-        # path -> perf_counter when the job went to the writer: after save_checkpoint returned when
-        # device copies deferred the hand-off to the next optimizer step (CUDA)
-        self._submitted: dict[str, float] = {}
-        submit = self.io._submit
-
-        def timed_submit(prepared: Any, path: str, images: Any) -> None:
-            self._submitted[path] = time.perf_counter()
-            submit(prepared, path, images)
-
-        self.io._submit = timed_submit  # type: ignore[method-assign]
-
-    def save(self, checkpoint: dict[str, Any], path: str) -> None:
-        path = os.path.abspath(path)
-        self.in_flight.add(path)
-        self.io.save_checkpoint(checkpoint, path)
-        end = time.perf_counter()
-        if not self.asynchronous:
-            self.done.put((path, end))
-            return
-        self._handed_off[path] = end
-        self._harvest()  # the call may have collected the previous save's result
-
-    def _harvest(self) -> None:
-        last = self.io.last_save
-        if last is not None and last.path in self._handed_off:
-            # last_save.seconds: from the job's submission to the writer until committed and durable;
-            # counted from the end of save_checkpoint, or from a later (deferred) submission
-            start = max(self._handed_off.pop(last.path), self._submitted.pop(last.path, 0.0))
-            self.done.put((last.path, start + last.seconds))
-
-    def poll(self) -> list[tuple[str, float]]:
-        if self.asynchronous and self._handed_off and self.io._deferred is None and not self.io._worker.busy:
-            # nothing in flight (and no hand-off waiting for device copies, which wait() would
-            # flush and then block on): returns at once, raises a background error, sets last_save
-            self.io.wait()
-            self._harvest()
-        return super().poll()
-
-    def helper_pids(self) -> list[int]:
-        pid = self.io._worker.pid
-        return [] if pid is None else [pid]
-
-    def teardown(self) -> None:
-        self.io.teardown()
-
-
-def _make_contender(name: str, run_dir: str, max_write_rate: str | None = None, device: str = "cpu") -> _Contender:
-    if name == "torch_io":
-        return _TorchIO(run_dir)
-    if name == "async_io":
-        return _AsyncIO(run_dir)
-    if name == "dcp_async":
-        return _DcpAsync(run_dir, device)
-    if name == "sharded_async":
-        return _Sharded(run_dir, asynchronous=True, max_write_rate=max_write_rate)
-    if name == "sharded_sync":
-        return _Sharded(run_dir, asynchronous=False)
-    raise ValueError(f"unknown contender {name!r}")
-
-
-# ----------------------------------------------------------------------------------------------
 # Child side: the training loop
-
-
-class _Workload:
-    """The fixed compute of one step: ``matmuls`` products of two ``n`` x ``n`` fp32 matrices."""
-
-    def __init__(self, n: int, matmuls: int, device: str = "cpu") -> None:
-        generator = torch.Generator().manual_seed(1)
-        self.a = (torch.randn(n, n, generator=generator) / math.sqrt(n)).to(device)
-        self.x = torch.randn(n, n, generator=generator).to(device)
-        self.out = torch.empty(n, n, device=device)
-        self.matmuls = matmuls
-
-    def __call__(self) -> None:
-        for _ in range(self.matmuls):
-            torch.mm(self.a, self.x, out=self.out)
-
-
-class _StateUpdate(torch.optim.Optimizer):
-    """The per-step in-place update of every state tensor, ``t.lerp_(target, 1e-3)``, run as an
-    optimizer step so that global optimizer-step pre-hooks fire where a training loop's would."""
-
-    def __init__(self, tensors: list[torch.Tensor], target: torch.Tensor) -> None:
-        super().__init__(tensors, {})
-        self.target = target
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        for group in self.param_groups:
-            for t in group["params"]:
-                t.lerp_(self.target, _UPDATE_WEIGHT)
-
-
-def _state_tensors(checkpoint: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(weights + AdamW moments, the optimizer's 0-d step counters) of ``checkpoint``."""
-    tensors = list(iter_tensors(checkpoint))
-    return [t for t in tensors if t.dim() > 0], [t for t in tensors if t.dim() == 0]
 
 
 def _train_loop(task: Task) -> Metrics:
     device = task.get("device", "cpu")
     cuda = device == "cuda"
-    checkpoint = bench.build_checkpoint(task["size_bytes"], device)
-    state, counters = _state_tensors(checkpoint)
+    checkpoint = build_checkpoint(task["size_bytes"], device)
+    state, counters = state_tensors(checkpoint)
     nbytes = sum(t.numel() * t.element_size() for t in state + counters)
-    workload = _Workload(task["matmul_size"], task["matmuls"], device)
-    update = _StateUpdate(state, torch.tensor(1e-3, device=device))
+    workload = MatmulWorkload(task["matmul_size"], task["matmuls"], device)
+    update = StateUpdate(state, torch.tensor(1e-3, device=device))
 
     @torch.no_grad()
     def step() -> None:
@@ -462,7 +154,7 @@ def _train_loop(task: Task) -> Metrics:
         if cuda:
             torch.cuda.current_stream().synchronize()  # as a loop's loss.item() does
 
-    contender = _make_contender(task["contender"], task["run_dir"], task.get("max_write_rate"), device)
+    contender = make_contender(task["contender"], task["run_dir"], task.get("max_write_rate"), device)
     tag, n_saves, every, schedule = task["tag"], task["saves"], task["every"], task["schedule"]
     guard_bytes = 2 * nbytes + GB  # fixed schedule: defer a save while this much memory is not available
     saves: list[dict[str, Any]] = []
@@ -479,14 +171,14 @@ def _train_loop(task: Task) -> Metrics:
             start = time.perf_counter()
             step()
             baseline_steps.append(time.perf_counter() - start)
-        base_median, base_p95 = statistics.median(baseline_steps), _p95(baseline_steps)
+        base_median, base_p95 = statistics.median(baseline_steps), p95(baseline_steps)
         gc.collect()
-        before = _memory_snapshot()
+        before = memory_snapshot()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
             cuda_before = torch.cuda.memory_allocated()
         deadline = time.perf_counter() + task["timeout_s"]
-        with bench.RssSampler() as sampler:
+        with RssSampler() as sampler:
             since = 0
             while True:
                 for path, at in contender.poll():
@@ -495,7 +187,7 @@ def _train_loop(task: Task) -> Metrics:
                     # keep only the latest durable checkpoint on disk (removed between steps, untimed)
                     start = time.perf_counter()
                     for old in durable_on_disk:
-                        bench.remove_path(old)
+                        remove_path(old)
                     removal_seconds += time.perf_counter() - start
                     durable_on_disk = [path]
                 if len(saves) >= n_saves and not contender.pending():
@@ -512,7 +204,7 @@ def _train_loop(task: Task) -> Metrics:
                     if schedule == "after-durable":
                         due = False
                         deferred_steps += 1
-                    elif _meminfo().get("MemAvailable", guard_bytes) < guard_bytes:
+                    elif meminfo().get("MemAvailable", guard_bytes) < guard_bytes:
                         due = False
                         guard_deferrals += 1
                 start = time.perf_counter()
@@ -525,7 +217,7 @@ def _train_loop(task: Task) -> Metrics:
                 contender.save(checkpoint, path)
                 call_end = time.perf_counter()
                 steps.append((start, call_end, len(saves)))
-                memory = _memory_snapshot()
+                memory = memory_snapshot()
                 record = {
                     "index": len(saves) + 1,
                     "path": path,
@@ -539,18 +231,18 @@ def _train_loop(task: Task) -> Metrics:
                 by_path[path] = record
                 since = 0
             loop_end = time.perf_counter()
-            end_memory = _memory_snapshot()
+            end_memory = memory_snapshot()
             cuda_peak_extra_mb = (torch.cuda.max_memory_allocated() - cuda_before) / MB if cuda else None
-            helpers = {pid: bench.proc_status(pid) for pid in contender.helper_pids()}
+            helpers = {pid: proc_status(pid) for pid in contender.helper_pids()}
         helper_pids = contender.helper_pids()
     finally:
         try:
             contender.teardown()
         finally:
-            bytes_on_disk = _path_bytes(durable_on_disk[-1]) if durable_on_disk else None
+            bytes_on_disk = path_bytes(durable_on_disk[-1]) if durable_on_disk else None
             for record in saves:
-                bench.remove_path(record["path"])
-    after_teardown = _memory_snapshot()
+                remove_path(record["path"])
+    after_teardown = memory_snapshot()
     helpers_alive = [pid for pid in helper_pids if os.path.exists(f"/proc/{pid}")]
     return _loop_metrics(
         contender,
@@ -580,7 +272,7 @@ def _train_loop(task: Task) -> Metrics:
 
 
 def _loop_metrics(
-    contender: _Contender,
+    contender: Contender,
     task: Task,
     nbytes: int,
     base_median: float,
@@ -636,13 +328,13 @@ def _loop_metrics(
                 "durable_seconds": s["durable_at"] - s["call_start"],
                 "previous_in_flight": s["previous_in_flight"],
                 "steps_while_writing": len(per_save_writing[i]),
-                "step_while_writing_median_seconds": _median(per_save_writing[i]),
+                "step_while_writing_median_seconds": median(per_save_writing[i]),
                 "rss_mb": memory["rss"] / MB,
-                "rss_delta_mb": _delta_mb(memory["rss"], before["rss"]),
-                "rss_anon_delta_mb": _delta_mb(memory["anon"], before["anon"]),
-                "rss_shmem_delta_mb": _delta_mb(memory["shmem"], before["shmem"]),
-                "dev_shm_delta_mb": _delta_mb(memory["dev_shm"], before["dev_shm"]),
-                "sys_shmem_delta_mb": _delta_mb(memory["sys_shmem"], before["sys_shmem"]),
+                "rss_delta_mb": delta_mb(memory["rss"], before["rss"]),
+                "rss_anon_delta_mb": delta_mb(memory["anon"], before["anon"]),
+                "rss_shmem_delta_mb": delta_mb(memory["shmem"], before["shmem"]),
+                "dev_shm_delta_mb": delta_mb(memory["dev_shm"], before["dev_shm"]),
+                "sys_shmem_delta_mb": delta_mb(memory["sys_shmem"], before["sys_shmem"]),
             }
         )
     first, steady = records[:1], records[1:]
@@ -651,7 +343,7 @@ def _loop_metrics(
         return [row[key] for row in rows]
 
     post_save_rss = pick(steady, "rss_mb")
-    writing_median, writing_p95 = _median(writing), _p95(writing)
+    writing_median, writing_p95 = median(writing), p95(writing)
     helper_status = {
         str(pid): {
             "rss_mb": status.get("VmRSS", 0) / MB,
@@ -666,39 +358,39 @@ def _loop_metrics(
         "baseline_step_p95_seconds": base_p95,
         "saves": len(records),
         "stall_first_seconds": first[0]["stall_seconds"] if first else None,
-        "stall_steady_median_seconds": _median(pick(steady, "stall_seconds")),
+        "stall_steady_median_seconds": median(pick(steady, "stall_seconds")),
         "stall_steady_max_seconds": max(pick(steady, "stall_seconds"), default=None),
         "stall_with_next_first_seconds": first[0]["stall_with_next_seconds"] if first else None,
-        "stall_with_next_steady_median_seconds": _median(
+        "stall_with_next_steady_median_seconds": median(
             [v for v in pick(steady, "stall_with_next_seconds") if v is not None]
         ),
         "call_first_seconds": first[0]["call_seconds"] if first else None,
-        "call_steady_median_seconds": _median(pick(steady, "call_seconds")),
+        "call_steady_median_seconds": median(pick(steady, "call_seconds")),
         "durable_first_seconds": first[0]["durable_seconds"] if first else None,
-        "durable_steady_median_seconds": _median(pick(steady, "durable_seconds")),
-        "durable_median_seconds": _median(pick(records, "durable_seconds")),
+        "durable_steady_median_seconds": median(pick(steady, "durable_seconds")),
+        "durable_median_seconds": median(pick(records, "durable_seconds")),
         "steps_while_writing": len(writing),
         "step_while_writing_median_seconds": writing_median,
         "step_while_writing_p95_seconds": writing_p95,
-        "step_while_writing_median_ratio": _ratio(writing_median, base_median),
-        "step_while_writing_p95_ratio": _ratio(writing_p95, base_p95),
+        "step_while_writing_median_ratio": ratio(writing_median, base_median),
+        "step_while_writing_p95_ratio": ratio(writing_p95, base_p95),
         "steps_while_writing_steady": len(writing_steady),
-        "step_while_writing_steady_median_ratio": _ratio(_median(writing_steady), base_median),
-        "step_while_writing_steady_p95_ratio": _ratio(_p95(writing_steady), base_p95),
-        "step_idle_median_ratio": _ratio(_median(idle), base_median),
+        "step_while_writing_steady_median_ratio": ratio(median(writing_steady), base_median),
+        "step_while_writing_steady_p95_ratio": ratio(p95(writing_steady), base_p95),
+        "step_idle_median_ratio": ratio(median(idle), base_median),
         "baseline_rss_mb": before["rss"] / MB if before["rss"] is not None else None,
         "rss_flat_range_mb": max(post_save_rss) - min(post_save_rss) if post_save_rss else None,
         "rss_growth_mb": records[-1]["rss_delta_mb"] if records else None,
         "rss_anon_growth_mb": records[-1]["rss_anon_delta_mb"] if records else None,
-        "rss_end_delta_mb": _delta_mb(end_memory["rss"], before["rss"]),
-        "rss_anon_end_delta_mb": _delta_mb(end_memory["anon"], before["anon"]),
-        "rss_shmem_end_delta_mb": _delta_mb(end_memory["shmem"], before["shmem"]),
-        "rss_after_teardown_delta_mb": _delta_mb(after_teardown["rss"], before["rss"]),
+        "rss_end_delta_mb": delta_mb(end_memory["rss"], before["rss"]),
+        "rss_anon_end_delta_mb": delta_mb(end_memory["anon"], before["anon"]),
+        "rss_shmem_end_delta_mb": delta_mb(end_memory["shmem"], before["shmem"]),
+        "rss_after_teardown_delta_mb": delta_mb(after_teardown["rss"], before["rss"]),
         "peak_rss_mb": peak["peak_rss_mb"],
         "peak_rss_anon_mb": peak["peak_rss_anon_mb"],
         "peak_hwm_mb": peak["peak_hwm_mb"],
         "dev_shm_max_delta_mb": max((r["dev_shm_delta_mb"] for r in records if r["dev_shm_delta_mb"] is not None), default=None),
-        "dev_shm_end_delta_mb": _delta_mb(end_memory["dev_shm"], before["dev_shm"]),
+        "dev_shm_end_delta_mb": delta_mb(end_memory["dev_shm"], before["dev_shm"]),
         "sys_shmem_max_delta_mb": max(
             (r["sys_shmem_delta_mb"] for r in records if r["sys_shmem_delta_mb"] is not None), default=None
         ),
@@ -707,7 +399,7 @@ def _loop_metrics(
         **extra,
     }
     notes = list(contender.notes)
-    if isinstance(contender, _DcpAsync) and contender.waits:
+    if isinstance(contender, DcpAsync) and contender.waits:
         notes.append(f"waited for the previous DCP save before {len(contender.waits)} saves ({sum(contender.waits):.2f} s)")
         metrics["dcp_waited_for_previous_seconds"] = sum(contender.waits)
     if helpers_alive:
@@ -728,8 +420,8 @@ def _plain_copy(task: Task) -> Metrics:
     On CUDA the buffers are page-locked host memory (a device-to-host snapshot's floor).
     """
     cuda = task.get("device", "cpu") == "cuda"
-    checkpoint = bench.build_checkpoint(task["size_bytes"], task.get("device", "cpu"))
-    state, counters = _state_tensors(checkpoint)
+    checkpoint = build_checkpoint(task["size_bytes"], task.get("device", "cpu"))
+    state, counters = state_tensors(checkpoint)
     tensors = state + counters
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     if cuda:
@@ -748,12 +440,12 @@ def _plain_copy(task: Task) -> Metrics:
         if cuda:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
-    median = statistics.median(seconds)
-    return {"metrics": {"state_bytes": nbytes, "seconds": median, "GBps": nbytes / median / GB}, "copies_seconds": seconds}
+    mid = statistics.median(seconds)
+    return {"metrics": {"state_bytes": nbytes, "seconds": mid, "GBps": nbytes / mid / GB}, "copies_seconds": seconds}
 
 
 def _run_task(task: Task) -> Metrics:
-    """Runner of ``bench.run_in_fresh_process`` for this module's measurements."""
+    """Runner of ``run_in_fresh_process`` for this module's measurements."""
     if task["kind"] == "async_loop":
         return _train_loop(task)
     if task["kind"] == "copy_floor":
@@ -763,31 +455,6 @@ def _run_task(task: Task) -> Metrics:
 
 # ----------------------------------------------------------------------------------------------
 # Parent side
-
-
-def calibrate_matmuls(target_ms: float, n: int = MATMUL_SIZE, device: str = "cpu") -> tuple[int, float]:
-    """How many ``n`` x ``n`` matmuls take about ``target_ms`` here; (count, ms of one)."""
-    workload = _Workload(n, 1, device)
-
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    for _ in range(2):
-        workload()
-    times = []
-    for _ in range(7):
-        sync()
-        start = time.perf_counter()
-        workload()
-        sync()
-        times.append(time.perf_counter() - start)
-    one_ms = statistics.median(times) * 1000
-    return max(1, round(target_ms / one_ms)), one_ms
-
-
-def _m(summary: Metrics | None, key: str) -> float | None:
-    return bench._median(summary, key)
 
 
 def render_table(report: dict[str, Any]) -> Any:
@@ -834,43 +501,39 @@ def render_table(report: dict[str, Any]) -> Any:
         if summary is None:
             table.add_row(_CONTENDER_TITLES.get(name, name), "error", *["-"] * (len(columns) - 2))
             continue
-        durable = _m(summary, "durable_steady_median_seconds")
+        durable = m(summary, "durable_steady_median_seconds")
         if durable is None:
-            durable = _m(summary, "durable_median_seconds")
+            durable = m(summary, "durable_median_seconds")
         table.add_row(
             _CONTENDER_TITLES.get(name, name),
-            bench._fmt(_m(summary, "stall_first_seconds"), 3),
-            bench._fmt(_m(summary, "stall_steady_median_seconds"), 3),
-            bench._fmt(ratios["stall_steady_vs_torch_io"].get(name), 3),
-            bench._fmt(_m(summary, "stall_with_next_steady_median_seconds"), 3),
-            bench._fmt(_m(summary, "call_steady_median_seconds"), 3),
-            bench._fmt(durable, 3),
-            bench._fmt(_m(summary, "step_while_writing_steady_median_ratio")),
-            bench._fmt(_m(summary, "step_while_writing_steady_p95_ratio")),
-            bench._fmt(_m(summary, "step_while_writing_p95_ratio")),
-            bench._fmt(_m(summary, "rss_flat_range_mb"), 0),
-            bench._fmt(_m(summary, "rss_growth_mb"), 0),
-            bench._fmt(_m(summary, "peak_rss_mb"), 0),
-            bench._fmt(_m(summary, "dev_shm_max_delta_mb"), 0),
+            fmt(m(summary, "stall_first_seconds"), 3),
+            fmt(m(summary, "stall_steady_median_seconds"), 3),
+            fmt(ratios["stall_steady_vs_torch_io"].get(name), 3),
+            fmt(m(summary, "stall_with_next_steady_median_seconds"), 3),
+            fmt(m(summary, "call_steady_median_seconds"), 3),
+            fmt(durable, 3),
+            fmt(m(summary, "step_while_writing_steady_median_ratio")),
+            fmt(m(summary, "step_while_writing_steady_p95_ratio")),
+            fmt(m(summary, "step_while_writing_p95_ratio")),
+            fmt(m(summary, "rss_flat_range_mb"), 0),
+            fmt(m(summary, "rss_growth_mb"), 0),
+            fmt(m(summary, "peak_rss_mb"), 0),
+            fmt(m(summary, "dev_shm_max_delta_mb"), 0),
         )
     copy = results.get("plain_copy")
     if copy is not None:
         table.add_section()
         summary = copy["summary"]
-        seconds = _m(summary, "seconds") if summary else None
+        seconds = m(summary, "seconds") if summary else None
         label = "plain copy_ to pinned host" if settings.get("device") == "cuda" else "plain copy_"
         table.add_row(
-            f"{label} (floor, {_m(summary, 'GBps') or 0:.1f} GB/s)" if summary else f"{label} (error)",
+            f"{label} (floor, {m(summary, 'GBps') or 0:.1f} GB/s)" if summary else f"{label} (error)",
             "",
-            bench._fmt(seconds, 3),
-            bench._fmt(ratios.get("plain_copy_vs_torch_io_stall"), 3),
+            fmt(seconds, 3),
+            fmt(ratios.get("plain_copy_vs_torch_io_stall"), 3),
             *[""] * (len(columns) - 4),
         )
     return table
-
-
-def _summarize(runs: list[Metrics]) -> Metrics | None:
-    return bench._summary([run["metrics"] for run in runs]) if runs else None
 
 
 def _ratios(contenders: dict[str, Metrics], copy: Metrics | None) -> Metrics:
@@ -887,31 +550,31 @@ def _ratios(contenders: dict[str, Metrics], copy: Metrics | None) -> Metrics:
     }
     for name in contenders:
         s = summary(name)
-        ratios["stall_first_vs_torch_io"][name] = _ratio(_m(s, "stall_first_seconds"), _m(torch_io, "stall_first_seconds"))
-        ratios["stall_steady_vs_torch_io"][name] = _ratio(
-            _m(s, "stall_steady_median_seconds"), _m(torch_io, "stall_steady_median_seconds")
+        ratios["stall_first_vs_torch_io"][name] = ratio(m(s, "stall_first_seconds"), m(torch_io, "stall_first_seconds"))
+        ratios["stall_steady_vs_torch_io"][name] = ratio(
+            m(s, "stall_steady_median_seconds"), m(torch_io, "stall_steady_median_seconds")
         )
-        ratios["stall_with_next_steady_vs_torch_io"][name] = _ratio(
-            _m(s, "stall_with_next_steady_median_seconds"), _m(torch_io, "stall_with_next_steady_median_seconds")
+        ratios["stall_with_next_steady_vs_torch_io"][name] = ratio(
+            m(s, "stall_with_next_steady_median_seconds"), m(torch_io, "stall_with_next_steady_median_seconds")
         )
-        ratios["call_steady_vs_torch_io"][name] = _ratio(
-            _m(s, "call_steady_median_seconds"), _m(torch_io, "call_steady_median_seconds")
+        ratios["call_steady_vs_torch_io"][name] = ratio(
+            m(s, "call_steady_median_seconds"), m(torch_io, "call_steady_median_seconds")
         )
     ours, dcp = summary("sharded_async"), summary("dcp_async")
     ratios["sharded_async_vs_dcp_async"] = {
-        "durable_first": _ratio(_m(ours, "durable_first_seconds"), _m(dcp, "durable_first_seconds")),
-        "durable_steady": _ratio(_m(ours, "durable_steady_median_seconds"), _m(dcp, "durable_steady_median_seconds")),
-        "stall_first": _ratio(_m(ours, "stall_first_seconds"), _m(dcp, "stall_first_seconds")),
-        "stall_steady": _ratio(_m(ours, "stall_steady_median_seconds"), _m(dcp, "stall_steady_median_seconds")),
-        "stall_with_next_steady": _ratio(
-            _m(ours, "stall_with_next_steady_median_seconds"), _m(dcp, "stall_with_next_steady_median_seconds")
+        "durable_first": ratio(m(ours, "durable_first_seconds"), m(dcp, "durable_first_seconds")),
+        "durable_steady": ratio(m(ours, "durable_steady_median_seconds"), m(dcp, "durable_steady_median_seconds")),
+        "stall_first": ratio(m(ours, "stall_first_seconds"), m(dcp, "stall_first_seconds")),
+        "stall_steady": ratio(m(ours, "stall_steady_median_seconds"), m(dcp, "stall_steady_median_seconds")),
+        "stall_with_next_steady": ratio(
+            m(ours, "stall_with_next_steady_median_seconds"), m(dcp, "stall_with_next_steady_median_seconds")
         ),
-        "peak_rss": _ratio(_m(ours, "peak_rss_mb"), _m(dcp, "peak_rss_mb")),
+        "peak_rss": ratio(m(ours, "peak_rss_mb"), m(dcp, "peak_rss_mb")),
     }
     copy_summary = copy["summary"] if copy else None
-    ratios["plain_copy_vs_torch_io_stall"] = _ratio(_m(copy_summary, "seconds"), _m(torch_io, "stall_steady_median_seconds"))
+    ratios["plain_copy_vs_torch_io_stall"] = ratio(m(copy_summary, "seconds"), m(torch_io, "stall_steady_median_seconds"))
     ratios["stall_steady_vs_plain_copy"] = {
-        name: _ratio(_m(summary(name), "stall_steady_median_seconds"), _m(copy_summary, "seconds")) for name in contenders
+        name: ratio(m(summary(name), "stall_steady_median_seconds"), m(copy_summary, "seconds")) for name in contenders
     }
     return ratios
 
@@ -959,10 +622,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--dir",
-        default=bench.DEFAULT_DIR,
-        help=f"where checkpoints are written, on the filesystem under test (default ./{bench.DEFAULT_DIR})",
+        default=DEFAULT_DIR,
+        help=f"where checkpoints are written, on the filesystem under test (default ./{DEFAULT_DIR})",
     )
-    bench.add_json_argument(parser)
+    add_json_argument(parser)
     parser.add_argument("--timeout", type=float, default=1800.0, help="limit per training-loop run, seconds (default 1800)")
     parser.add_argument(
         "--max-write-rate", default=None, help="ShardedCheckpointIO(max_write_rate=...) for sharded_async, e.g. 1GB (per second)"
@@ -996,9 +659,9 @@ def main(argv: list[str] | None = None) -> int:
     if matmul_size < 1:
         parser.error("--matmul-size must be at least 1")
 
-    log = bench.stderr_logger()
+    log = stderr_logger()
     directory = os.path.abspath(args.dir)
-    nbytes, n_tensors = bench.state_bytes(size_bytes)
+    nbytes, n_tensors = state_bytes(size_bytes)
     if args.matmuls is not None:
         matmuls, one_ms = args.matmuls, None
     else:
@@ -1007,14 +670,7 @@ def main(argv: list[str] | None = None) -> int:
         f"state {nbytes / GB:.3g} GB in {n_tensors} tensors on {args.device}; compute workload {matmuls} x"
         f" {matmul_size}^2 matmuls per step"
     )
-    machine = bench.machine_info(directory)
-    if args.device == "cuda":
-        machine["cuda"] = {
-            "device": torch.cuda.get_device_name(),
-            "torch_cuda": torch.version.cuda,
-            "capability": ".".join(map(str, torch.cuda.get_device_capability())),
-            "total_memory_gb": torch.cuda.get_device_properties(0).total_memory / GB,
-        }
+    machine = machine_info(directory, cuda=args.device == "cuda")
     total_ram = machine.get("total_ram_gb")
     if total_ram and total_ram * GB < 3.5 * nbytes:
         log(f"warning: {total_ram:.1f} GB of RAM; contenders that copy the state (async_io, dcp_async) need ~2-3x {nbytes / GB:.2f} GB")
@@ -1022,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     contender_runs: dict[str, list[Metrics]] = {n: [] for n in names}
     errors: list[str] = []
     started = time.time()
-    with bench.run_directory(directory) as run_dir:
+    with run_directory(directory) as run_dir:
         need = 3 * nbytes  # the latest durable checkpoint, one being written, and slack
         free = shutil.disk_usage(run_dir).free
         if free < need * 1.1:
@@ -1052,24 +708,24 @@ def main(argv: list[str] | None = None) -> int:
                     }
                 log(f"[{r + 1}/{args.repeats}] {name}")
                 try:
-                    contender_runs[name].append(bench.run_in_fresh_process(task, runner=_run_task))
+                    contender_runs[name].append(run_in_fresh_process(task, _run_task))
                 except RuntimeError as err:
                     errors.append(f"{name} repeat {r + 1}: {err}")
                     log(f"[{r + 1}/{args.repeats}] {name} FAILED: {str(err).splitlines()[0]}")
                 finally:
                     for leftover in os.listdir(run_dir):  # a failed run's checkpoints
                         if leftover.startswith(f"{tag}-"):
-                            bench.remove_path(os.path.join(run_dir, leftover))
+                            remove_path(os.path.join(run_dir, leftover))
 
     contenders = {
-        name: {"summary": _summarize(runs), "runs": runs}
+        name: {"summary": summarize([run["metrics"] for run in runs]), "runs": runs}
         for name, runs in contender_runs.items()
         if name != REFERENCE
     }
     copy = None
     if REFERENCE in contender_runs:
         runs = contender_runs[REFERENCE]
-        copy = {"summary": _summarize(runs), "runs": runs}
+        copy = {"summary": summarize([run["metrics"] for run in runs]), "runs": runs}
     results: Metrics = {
         "size": args.size,
         "size_bytes": size_bytes,
@@ -1081,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
         "errors": errors,
     }
     report = {
-        **bench.report_header(argv, started),
+        **report_header(argv, started),
         "settings": {
             "mode": "async",
             "device": args.device,
@@ -1101,15 +757,15 @@ def main(argv: list[str] | None = None) -> int:
                 "target_ms": None if args.matmuls is not None else args.compute_ms,
                 "one_matmul_ms_at_calibration": one_ms,
             },
-            "update": f"every state tensor t.lerp_(1e-3, {_UPDATE_WEIGHT}) (as an Optimizer.step) and step counters"
+            "update": f"every state tensor t.lerp_(1e-3, {UPDATE_WEIGHT}) (as an Optimizer.step) and step counters"
             " += 1, each step"
             + ("; the step ends with torch.cuda.current_stream().synchronize()" if args.device == "cuda" else ""),
             "dcp": "async_save THREAD mode, no process group; DefaultStager(StagingOptions("
-            + ", ".join(f"{k}={v}" for k, v in _dcp_staging_options(args.device).items())
+            + ", ".join(f"{k}={v}" for k, v in dcp_staging_options(args.device).items())
             + "))"
             + (
                 " kept across saves"
-                if _dcp_stager_reusable()
+                if dcp_stager_reusable()
                 else f" created afresh for every save (torch {torch.__version__}: its DefaultStager stages only once,"
                 " then raises KeyError)"
             )
@@ -1121,15 +777,11 @@ def main(argv: list[str] | None = None) -> int:
                 "sharded_async": "end of save_checkpoint + io.last_save.seconds (writer process: committed + durable)",
                 "sharded_sync": "save_checkpoint returned",
             },
-            "units": "GB = 1e9 bytes, MB = 1e6 bytes; *_delta_mb / growth / peak figures are relative to the RSS"
+            "units": "GB = 1e9 bytes, MB = 1e6 bytes; *delta_mb / growth / peak figures are relative to the RSS"
             " after warm-up (state built and warm), just before the first save",
         },
         "machine": machine,
         "results": results,
     }
-    bench.emit_report(render_table(report), report, args.json_path)
+    emit_report(render_table(report), report, args.json_path)
     return 1 if errors else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
