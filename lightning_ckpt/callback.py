@@ -29,6 +29,7 @@ after it in the same step, are undone on every rank: the bookkeeping (``best_k_m
 removed, so the callback's state is as if they had not been requested.
 """
 
+import contextlib
 import math
 import os
 import secrets
@@ -46,12 +47,13 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from rich.console import Console
 from typing_extensions import override
 
 from lightning_ckpt import manifest as fmt
 from lightning_ckpt.compile import install_load_hook, strip_compiled_prefixes
-from lightning_ckpt.memory import memory_stats, release_memory
+from lightning_ckpt.memory import EMPTY_CUDA_CACHE_MODES, EmptyCudaCache, MemoryStats, memory_stats, release_memory
 from lightning_ckpt.monitor import SaveMonitor, SaveRecord, print_summary, save_line
 from lightning_ckpt.strategies import is_lightning_ckpt, save_sharded, sharded_io
 from lightning_ckpt.writer import TempDir, commit
@@ -92,10 +94,12 @@ class ShardedModelCheckpoint(ModelCheckpoint):
 
     Args:
         release_memory: after each save (after staging, for async saves) run ``gc.collect()``,
-            empty the CUDA cache when fragmented, and ``malloc_trim(0)`` the host heap; the
-            memory before/after and the time spent are recorded. The async staging pool is kept.
-        cuda_fragmentation_threshold: empty the CUDA cache when more than this share of reserved
-            memory is unallocated.
+            release the CUDA cache per ``empty_cuda_cache``, and ``malloc_trim(0)`` the host heap;
+            the memory before/after and the time spent are recorded. The async staging pool is kept.
+        empty_cuda_cache: ``"on_pressure"`` (default): empty the CUDA caching allocator's cache
+            only when it retried or failed an allocation since the previous save (the cache is
+            the next step's memory otherwise, and emptying it slows that step down); ``"always"``;
+            ``"never"``. See ``lightning_ckpt.memory``.
         slowdown_window: steps before/after a save compared for the post-save slowdown.
         metrics_file: JSON-lines file in the first logger's run folder (``trainer.log_dir``), to
             which each ``fit`` appends one line with every save's record and the step times;
@@ -129,7 +133,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         save_on_train_epoch_end: Optional[bool] = None,
         enable_version_counter: bool = True,
         release_memory: bool = True,
-        cuda_fragmentation_threshold: float = 0.25,
+        empty_cuda_cache: EmptyCudaCache = "on_pressure",
         slowdown_window: int = 20,
         metrics_file: Optional[str] = "ckpt_metrics.jsonl",
         plot: bool = False,
@@ -152,15 +156,16 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             save_on_train_epoch_end=save_on_train_epoch_end,
             enable_version_counter=enable_version_counter,
         )
-        if not 0.0 <= cuda_fragmentation_threshold <= 1.0:
-            raise ValueError(
-                f"`cuda_fragmentation_threshold={cuda_fragmentation_threshold}` must be between 0 and 1"
-                " (the unallocated share of reserved CUDA memory above which the cache is emptied)."
-            )
+        if empty_cuda_cache not in EMPTY_CUDA_CACHE_MODES:
+            raise ValueError(f"`empty_cuda_cache={empty_cuda_cache!r}` must be one of {EMPTY_CUDA_CACHE_MODES}.")
         if not isinstance(slowdown_window, int) or slowdown_window < 1:
             raise ValueError(f"`slowdown_window={slowdown_window!r}` must be a positive number of steps.")
         self.release_memory = release_memory
-        self.cuda_fragmentation_threshold = cuda_fragmentation_threshold
+        self.empty_cuda_cache = empty_cuda_cache
+        self._memory_after_save: MemoryStats | None = None  # allocator counters at the previous save
+        self._staging_prepared = False  # once per fit (see ``_prepare_staging``)
+        self._overlap = False  # inside ``_between_steps``
+        self._awaiting_copy_wait: list[tuple[str, SaveRecord]] = []
         self.metrics_file = metrics_file
         self.plot = plot
         self.compile_safe = compile_safe
@@ -195,6 +200,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         io = sharded_io(trainer.strategy)
         if io is not None:
             io.use_part_token(token)
+        self._staging_prepared = False
         # One record per folder, shared by every checkpoint callback saving there (as the
         # filesystem would be).
         record = _RECORDS.setdefault(os.path.normpath(os.fspath(self.dirpath or "")), set())
@@ -244,7 +250,10 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         interval = self._train_time_interval
-        with self._save_step(trainer):
+        if not self._staging_prepared:
+            self._staging_prepared = True  # after the first optimizer step: its state exists now
+            _prepare_staging(trainer, pl_module)
+        with self._save_step(trainer), self._between_steps(trainer):
             if interval is None:
                 super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
                 return
@@ -412,7 +421,9 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             skipped_before = getattr(io, "skipped_saves", 0)
             before = memory_stats()
             start = time.perf_counter()
-            _write(trainer, filepath, self.save_weights_only)
+            overlap = self._overlap and getattr(io, "overlapping", None)
+            with overlap() if overlap else contextlib.nullcontext():
+                _write(trainer, filepath, self.save_weights_only)
             stall = time.perf_counter() - start
             if trainer.is_global_zero and getattr(io, "skipped_saves", 0) != skipped_before:
                 self._skipped_at = len(self._attempts) - 1  # undone on every rank at the step's end
@@ -423,19 +434,33 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             if trainer.is_global_zero:
                 for logger in trainer.loggers:
                     logger.after_save_checkpoint(proxy(self))
-            release = release_memory(self.cuda_fragmentation_threshold) if self.release_memory else None
+            release = release_memory(self.empty_cuda_cache, self._memory_after_save) if self.release_memory else None
             if trainer.is_global_zero:
                 self._record(trainer, filepath, stall, before, release)
+            self._memory_after_save = release.after if release is not None else memory_stats()
+
+    @contextmanager
+    def _between_steps(self, trainer: pl.Trainer) -> Iterator[None]:
+        """Saves in this hook are followed by a training step before anything else may change the
+        weights: the plugin may overlap their device copies with it (``overlapping``)."""
+        self._overlap = _training_step_follows(trainer)
+        try:
+            yield
+        finally:
+            self._overlap = False
 
     def _record(self, trainer: pl.Trainer, filepath: str, stall: float, before: Any, release: Any) -> None:
         after = release.after if release is not None else memory_stats()
-        nbytes, durable = _written(trainer.strategy.checkpoint_io, filepath, stall)
+        io = trainer.strategy.checkpoint_io
+        nbytes, durable = _written(io, filepath, stall)
+        waits_copies = bool(getattr(io, "async_save", False)) and hasattr(io, "copy_wait_seconds")
+        previous = self._memory_after_save
         record = SaveRecord(
             index=len(self._monitor.records),
             path=filepath,
             global_step=trainer.global_step,
             step_index=len(self._monitor.step_times),
-            stall_s=stall,
+            call_s=stall,
             release_s=0.0 if release is None else release.seconds,
             nbytes=nbytes,
             durable_s=durable,
@@ -444,10 +469,15 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             cuda_reserved_before=before.cuda_reserved,
             cuda_reserved_after=after.cuda_reserved,
             cuda_cache_emptied=bool(release and release.cuda_cache_emptied),
+            copy_wait_s=None if waits_copies else 0.0,
+            cuda_fragmentation=before.cuda_fragmentation,
+            cuda_alloc_retries=before.cuda_alloc_retries - (previous.cuda_alloc_retries if previous else 0),
         )
         self._monitor.add(record)
         if durable is None:
             self._awaiting_durable.append((os.path.abspath(filepath), record))
+        if waits_copies:
+            self._awaiting_copy_wait.append((os.path.abspath(filepath), record))
         self._log(trainer, record)
         if self.verbose:
             Console(soft_wrap=True).print(save_line(record))
@@ -461,7 +491,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         closed = self._monitor.on_step_start(time.perf_counter())
         if trainer.is_global_zero:
-            for record in closed + self._newly_durable(trainer):
+            for record in closed + self._newly_durable(trainer) + self._copy_waits_known(trainer):
                 self._log(trainer, record)
 
     @override
@@ -495,7 +525,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         io = trainer.strategy.checkpoint_io
         if self._awaiting_durable and hasattr(io, "wait"):
             io.wait()  # final durability figures
-        for record in self._monitor.finish() + self._newly_durable(trainer):
+        for record in self._monitor.finish() + self._newly_durable(trainer) + self._copy_waits_known(trainer):
             self._log(trainer, record)
         if not self._monitor.records:
             return
@@ -523,6 +553,16 @@ class ShardedModelCheckpoint(ModelCheckpoint):
                 done.append(record)
         return done
 
+    def _copy_waits_known(self, trainer: pl.Trainer) -> list[SaveRecord]:
+        """Records whose device-copy wait became known (measured on the GPU a step after the save)."""
+        io = trainer.strategy.checkpoint_io
+        known, waiting = [], []
+        for path, record in self._awaiting_copy_wait:
+            record.copy_wait_s = io.copy_wait_seconds(path)
+            (waiting if record.copy_wait_s is None else known).append((path, record))
+        self._awaiting_copy_wait = waiting
+        return [record for _, record in known]
+
     @staticmethod
     def _log(trainer: pl.Trainer, record: SaveRecord) -> None:
         metrics = record.metrics()
@@ -541,6 +581,35 @@ def _write(trainer: pl.Trainer, filepath: str, weights_only: bool) -> None:
         # Sharded state (FSDP2 / tensor parallel) and DDP on one node: every rank writes its part.
         if not save_sharded(trainer.strategy, checkpoint, filepath):
             trainer.strategy.save_checkpoint(checkpoint, filepath)
+
+
+def _training_step_follows(trainer: pl.Trainer) -> bool:
+    """In ``on_train_batch_end``: is the next thing to run another training step (not validation,
+    not the end of the epoch or of training)? Then nothing but ``optimizer.step()`` changes the
+    weights before that step's optimizer step. Any doubt (Lightning internals changed): ``False``."""
+    try:
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if trainer.should_stop or epoch_loop.batch_progress.is_last_batch or epoch_loop.done:
+            return False
+        return not epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+    except Exception:
+        return False
+
+
+def _prepare_staging(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """Let an async plugin fault in (and page-lock) its staging pool in the background now, long
+    before the first save, sized for this rank's state. Skipped for spread DDP writes (each rank
+    stages a part only the plan knows)."""
+    io = trainer.strategy.checkpoint_io
+    if not getattr(io, "async_save", False) or not hasattr(io, "prepare_staging"):
+        return
+    if trainer.world_size > 1 and not isinstance(trainer.strategy, (ModelParallelStrategy, FSDPStrategy)):
+        return
+    tensors = [t for t in pl_module.state_dict().values() if isinstance(t, torch.Tensor)]
+    for optimizer in trainer.optimizers:
+        tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    local = [getattr(t, "_local_tensor", t) for t in tensors]
+    io.prepare_staging(sum(t.nbytes for t in local), on_device=any(t.is_cuda for t in local))
 
 
 def _can_skip(io: Any) -> bool:

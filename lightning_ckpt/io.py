@@ -6,8 +6,9 @@ rank 0 only, so nothing here may run a collective; ``load_checkpoint`` runs on e
 """
 
 import atexit
+import contextlib
 import functools
-from collections import deque
+from collections import OrderedDict, deque
 import json
 import os
 import secrets
@@ -18,7 +19,7 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, Optional, TypeVar
 
 import torch
@@ -29,7 +30,7 @@ from typing_extensions import override
 from lightning_ckpt import manifest as fmt
 from lightning_ckpt import reader
 from lightning_ckpt.errors import CheckpointNotFoundError, CheckpointWriteError
-from lightning_ckpt.plan import Plan, make_plan, parse_size
+from lightning_ckpt.plan import OPTIMIZER_COMPONENT, Blob, Plan, make_plan, parse_size
 from lightning_ckpt import staging
 from lightning_ckpt.staging import StagingPool
 from lightning_ckpt import writer
@@ -208,6 +209,12 @@ class ShardedCheckpointIO(CheckpointIO):
             (``True``), or rank 0 writes it all (``False``). ``None`` (default): spread on one node
             only, where every rank sees rank 0's folder; pass ``True`` for multi-node runs on a shared
             filesystem. Sharded strategies always write from every rank.
+        overlap_copies: async saves of CUDA state through ``ShardedModelCheckpoint`` between two
+            training steps copy parameters and optimizer state to the host while the next forward
+            and backward run, and the next ``optimizer.step()`` waits for them (see
+            ``overlapping``). Pass ``False`` if something changes parameters in place outside
+            ``optimizer.step()`` between two steps; the training stream then waits for the copies
+            right after the save.
 
     Call order and ranks: Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0
     only, ``load_checkpoint`` and ``teardown`` on every rank; none of them runs a collective.
@@ -226,6 +233,7 @@ class ShardedCheckpointIO(CheckpointIO):
         max_write_rate: int | str | None = None,
         part_timeout: float = writer.DEFAULT_PART_TIMEOUT,
         spread_writes: Optional[bool] = None,
+        overlap_copies: bool = True,
     ) -> None:
         super().__init__()
         self.max_shard_size = parse_size(max_shard_size, "max_shard_size")
@@ -236,6 +244,7 @@ class ShardedCheckpointIO(CheckpointIO):
             ("async_save", async_save, (True, False)),
             ("when_busy", when_busy, ("wait", "skip")),
             ("on_error", on_error, ("raise", "warn")),
+            ("overlap_copies", overlap_copies, (True, False)),
         ):
             if value not in allowed:
                 raise ValueError(f"`{name}={value!r}` must be one of {allowed}.")
@@ -243,6 +252,8 @@ class ShardedCheckpointIO(CheckpointIO):
         self.async_save = async_save
         self.when_busy = when_busy
         self.on_error = on_error
+        self.overlap_copies = overlap_copies
+        self._overlap = False  # inside ``overlapping()``
         pool_cap = None if staging_pool_size is None else parse_size(staging_pool_size, "staging_pool_size")
         self._writer = ShardWriter(parse_size(buffer_size, "buffer_size"), direct_io)
         self._pool = StagingPool(pool_cap)
@@ -251,14 +262,17 @@ class ShardedCheckpointIO(CheckpointIO):
             {"chunk_bytes": self._writer.chunk_bytes, "direct_io": direct_io, "max_write_rate": rate}
         )
         self._lock = threading.RLock()
-        self._deferred: tuple[Callable[[], None], Callable[[], None]] | None = None
-        self._deferred_hook: Any = None
+        self._pending: Optional[_Pending] = None  # a save whose device copies are still landing
+        self._started: dict[str, deque[float]] = {}  # path -> wall-clock starts of saves not yet durable
+        self._copy_waits: OrderedDict[str, staging.Copies] = OrderedDict()  # path -> its latest save's copies
         self._refuse_next_removal = False
         self._staged: tuple[tuple[Any, ...], dict[str, tuple[int, int]]] | None = None
         self.skipped_saves = 0
         self._unpolled: deque[WriteResult] = deque(maxlen=1024)
         self.last_save: WriteResult | None = None
-        self.last_stall_seconds: float | None = None  # how long the last save blocked the caller
+        self.last_stall_seconds: float | None = None  # how long the last save call blocked the caller
+        if async_save:
+            _track_optimizers()
         self.part_timeout = float(part_timeout)
         if spread_writes not in (None, True, False):
             raise ValueError(f"`spread_writes={spread_writes!r}` must be one of (None, True, False).")
@@ -318,9 +332,8 @@ class ShardedCheckpointIO(CheckpointIO):
             self._part_token = token
 
     def _save(self, path: str, prepare: Callable[[], _Prepared], can_skip: bool = True) -> None:
-        self._flush_deferred()
         with self._lock:
-            start = time.perf_counter()
+            start, started = time.perf_counter(), time.time()
             if not self.async_save:
                 self.last_save = _write(prepare(), path, self._writer)
                 self.last_stall_seconds = time.perf_counter() - start
@@ -331,11 +344,13 @@ class ShardedCheckpointIO(CheckpointIO):
             fingerprint = _fingerprint(prepared.plan)
             if fingerprint is not None and self._staged is not None and self._staged[0] == fingerprint:
                 # A second save of the very same tensors (top-k file, then last.ckpt, in one
-                # step): the pool already holds these bytes, and nothing overwrites it while the
-                # writer has jobs. Only the (small) metadata differs.
-                self._submit(prepared, path, self._staged[1])
+                # step): the pool holds (or is receiving) these bytes, and nothing overwrites it
+                # while the writer has jobs. Only the (small) metadata differs.
+                images = self._staged[1]
+                self._then(lambda: self._submit(prepared, path, images, started))
                 self.last_stall_seconds = time.perf_counter() - start
                 return
+            self._drain(block=True)  # the pool is about to be staged again
             if self._worker.busy:
                 if self.when_busy == "skip" and can_skip:
                     self.skipped_saves += 1
@@ -350,7 +365,7 @@ class ShardedCheckpointIO(CheckpointIO):
                 self._report(self._worker.take_errors())
             self._refuse_next_removal = False
             self._staged = None  # the pool is about to be overwritten
-            self._stage_and_submit(prepared, path, fingerprint)
+            self._stage_and_submit(prepared, path, fingerprint, started)
             self.last_stall_seconds = time.perf_counter() - start
 
     def _payload(self, prepared: _Prepared) -> dict[str, Any]:
@@ -363,50 +378,138 @@ class ShardedCheckpointIO(CheckpointIO):
             "part": prepared.part,
         }
 
-    def _submit(self, prepared: _Prepared, path: str, images: dict[str, tuple[int, int]]) -> None:
+    def _submit(
+        self, prepared: _Prepared, path: str, images: dict[str, tuple[int, int]], started: float, chunked: bool = False
+    ) -> int:
         pool = (self._pool.fd, self._pool.generation)
-        self._worker.submit("save", path, {**self._payload(prepared), "images": images}, pool=pool)
+        payload = {**self._payload(prepared), "images": images, **({"chunked": True} if chunked else {})}
+        self._started.setdefault(path, deque()).append(started)
+        return self._worker.submit("save", path, payload, pool=pool)
 
-    def _stage_and_submit(self, prepared: _Prepared, path: str, fingerprint: tuple[Any, ...] | None) -> None:
+    def _stage_and_submit(
+        self, prepared: _Prepared, path: str, fingerprint: tuple[Any, ...] | None, started: float
+    ) -> None:
         image_layout, headers = staging.layout(prepared.plan)
         cap = self._pool.max_bytes
         if cap is not None and image_layout.nbytes > cap:
-            self._stage_in_chunks(prepared, path, self._payload(prepared), image_layout, headers, cap)
+            self._stage_in_chunks(prepared, path, image_layout, headers, cap, started)
             return
-        ready = self._pool.stage(prepared.plan, image_layout, headers)
+        deferrable = _changed_by_optimizers_only() if self._overlap else lambda _: False
+        copies = self._pool.stage(prepared.plan, image_layout, headers, deferrable)
         self._staged = None if fingerprint is None else (fingerprint, image_layout.images)
 
         def submit() -> None:
-            self._submit(prepared, path, image_layout.images)
+            self._submit(prepared, path, image_layout.images, started)
 
-        if ready is None:
+        if copies is None:
             submit()
             return
-        # Device copies are still landing in the pool: hand the job to the writer just before the
-        # next optimizer step (or the next call into this plugin), so the host does not wait here.
-        self._deferred = (ready, submit)
-        self._deferred_hook = register_optimizer_step_pre_hook(lambda *_: self._flush_deferred())
+        # Device copies are still landing in the pool: the writer gets the job once they have (a
+        # watcher thread); the host does not wait here. Deferred copies: see ``overlapping``.
+        self._copy_waits[path] = copies
+        while len(self._copy_waits) > _COPY_WAITS_KEPT:
+            self._copy_waits.popitem(last=False)
+        self._pending = pending = _Pending(copies, [submit], register_optimizer_step_pre_hook(self._before_step))
+        threading.Thread(target=self._drain_when_landed, args=(pending,), name="lightning_ckpt-handoff", daemon=True).start()
 
-    def _flush_deferred(self) -> None:
+    def _then(self, action: Callable[[], None]) -> None:
+        """Run ``action`` after the pending save's hand-off to the writer (now if none is pending)."""
+        if self._pending is not None:
+            self._pending.actions.append(action)
+        else:
+            action()
+
+    def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Optimizer pre-step hook: the step changes what the pending copies read, so the training
+        stream is ordered after them here, or, for a step given a closure (Lightning's automatic
+        optimization runs forward and backward inside it), once the closure has run."""
+        closure = kwargs.get("closure", args[0] if args else None)
+        if not callable(closure):
+            self._hand_over()
+            return None
+
+        def then_hand_over(*a: Any, **k: Any) -> Any:
+            result = closure(*a, **k)
+            self._hand_over()
+            return result
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": then_hand_over}
+        return (then_hand_over, *args[1:]), kwargs
+
+    def _hand_over(self) -> None:
         with self._lock:
-            if self._deferred is None:
+            pending = self._pending
+            if pending is not None:
+                pending.copies.hand_over()
+                pending.unhook()
+                self._drain(block=False)
+
+    @contextlib.contextmanager
+    def overlapping(self) -> Iterator[None]:
+        """Async saves inside leave the device copies of parameters of stepping optimizers and of
+        optimizer state to land while the next forward and backward run; the training stream is
+        ordered after them just before the next ``optimizer.step()`` changes them. The caller
+        promises that nothing else changes those tensors in place until then (``ShardedModelCheckpoint``
+        uses it for saves between two training steps). Outside it, or with ``overlap_copies=False``,
+        the training stream waits for every copy at once (the host never does)."""
+        previous, self._overlap = self._overlap, self.overlap_copies
+        try:
+            yield
+        finally:
+            self._overlap = previous
+
+    def _drain_when_landed(self, pending: "_Pending") -> None:
+        pending.copies.wait()
+        with self._lock:
+            if self._pending is pending:
+                self._drain(block=False)
+
+    def _drain(self, block: bool) -> None:
+        """Hand the pending save (and what was queued behind it) to the writer once its copies have
+        landed; ``block``: wait for them (training thread only: it orders the stream after them)."""
+        with self._lock:
+            pending = self._pending
+            if pending is None:
                 return
-            ready, submit = self._deferred
-            self._deferred = None
-            if self._deferred_hook is not None:
-                self._deferred_hook.remove()
-                self._deferred_hook = None
-            ready()
-            submit()
+            if block:
+                pending.copies.hand_over()
+                pending.copies.wait()
+            elif not pending.copies.landed():
+                return
+            self._pending = None
+            pending.unhook()
+            for action in pending.actions:
+                action()
+
+    def prepare_staging(self, nbytes: int, on_device: bool) -> None:
+        """Async mode: allocate the staging pool for a state of about ``nbytes`` now and fault it
+        in (and page-lock it, ``on_device``) in the background, so the first save neither waits
+        for that nor stalls on it. A later, larger state still grows the pool at its save."""
+        if not self.async_save:
+            return
+        wanted = int(nbytes * _STAGING_HEADROOM) + _STAGING_SLACK  # headers, 4 KiB alignment, growth
+        if self._pool.max_bytes is not None:
+            wanted = min(wanted, self._pool.max_bytes)
+        with self._lock:
+            if self._pending is None and not self._worker.busy:  # never under a save in flight
+                self._pool.reserve(wanted, pin=on_device)
+
+    def copy_wait_seconds(self, path: Any) -> float | None:
+        """How long the training stream idled (GPU time) for the device copies of the latest async
+        save to ``path``: a cost of that save beyond its call. ``None`` until known; 0 for a save
+        that queued no device copy of its own."""
+        copies = self._copy_waits.get(os.path.abspath(os.fspath(path)))
+        return 0.0 if copies is None else copies.waited_seconds()
 
     def _stage_in_chunks(
         self,
         prepared: _Prepared,
         path: str,
-        payload: dict[str, Any],
         image_layout: staging.ImageLayout,
         headers: dict[str, Any],
         cap: int,
+        started: float,
     ) -> None:
         """A state larger than ``staging_pool_size``: stage shard by shard through a ring, blocking
         only while the shards that do not fit wait for the writer to free space."""
@@ -416,7 +519,8 @@ class ShardedCheckpointIO(CheckpointIO):
                 f"A shard of {largest} bytes does not fit `staging_pool_size` ({cap} bytes). Raise"
                 " `staging_pool_size` or lower `max_shard_size`."
             )
-        self._pool.reserve(cap)
+        on_device = any(b.source is not None and b.source.is_cuda for s in prepared.plan.shards for b in s.blobs)
+        self._pool.reserve(cap, pin=on_device)
         ring = staging.Ring(cap)
         job_id: int | None = None
         try:
@@ -433,13 +537,13 @@ class ShardedCheckpointIO(CheckpointIO):
                     ring.free_oldest()
                     start = ring.alloc(staging.aligned(size))
                 self._pool.stage_shard(shard, headers[shard.filename], start)
-                ready = self._pool.copies_done()
-                if ready is not None:
-                    ready()  # the writer reads this region next
+                copies = self._pool.copies()
+                if copies is not None:  # the writer reads this region next
+                    copies.hand_over()
+                    copies.wait()
                 images = {shard.filename: (start, size)}
                 if job_id is None:
-                    pool = (self._pool.fd, self._pool.generation)
-                    job_id = self._worker.submit("save", path, {**payload, "images": images, "chunked": True}, pool=pool)
+                    job_id = self._submit(prepared, path, images, started, chunked=True)
                 else:
                     self._worker.send_images(job_id, images)
         except BaseException:
@@ -458,8 +562,8 @@ class ShardedCheckpointIO(CheckpointIO):
         Waits for saves still being written, so a checkpoint is never read before it is committed.
         """
         if self.async_save:
-            self._flush_deferred()
             with self._lock:
+                self._drain(block=True)
                 self._worker.wait()
         return load_checkpoint(path, map_location, weights_only, verify=self.verify_on_load == "full")
 
@@ -471,7 +575,10 @@ class ShardedCheckpointIO(CheckpointIO):
         removed once the one replacing it is committed.
         """
         path = os.path.abspath(_check_local(path, "path"))
-        self._flush_deferred()
+        with self._lock:
+            self._then(lambda: self._remove(path))  # after the save replacing it is handed off
+
+    def _remove(self, path: str) -> None:
         with self._lock:
             if self._refuse_next_removal:
                 self._refuse_next_removal = False
@@ -489,17 +596,17 @@ class ShardedCheckpointIO(CheckpointIO):
 
     def wait(self) -> None:
         """Block until every save in flight is durable; raise (once) what failed in the background."""
-        self._flush_deferred()
         with self._lock:
+            self._drain(block=True)
             self._worker.wait()
             self._report(self._worker.take_errors())
 
     @override
     def teardown(self) -> None:
         """Wait for saves in flight, stop the writer process and free the buffers."""
-        self._flush_deferred()
         with self._lock:
             try:
+                self._drain(block=True)
                 self._worker.stop()
                 self._report(self._worker.take_errors())
             finally:
@@ -525,8 +632,12 @@ class ShardedCheckpointIO(CheckpointIO):
             warnings.warn(f"Kept {path!r}: the save that would have replaced it failed.", stacklevel=3)
         results, self._worker.results = self._worker.results, []
         for r in results:
-            # seconds: from save_checkpoint's hand-off until the checkpoint was committed and durable
-            self.last_save = WriteResult(r["path"], r["nbytes"], r["durable_at"] - r["submitted"], r["files"], r["direct_io"])
+            # seconds: from the save call until the checkpoint was committed and durable
+            starts = self._started.get(r["path"])
+            started = starts.popleft() if starts else r["submitted"]
+            if starts is not None and not starts:
+                del self._started[r["path"]]
+            self.last_save = WriteResult(r["path"], r["nbytes"], r["durable_at"] - started, r["files"], r["direct_io"])
             self._unpolled.append(self.last_save)
 
     def poll(self) -> list[WriteResult]:
@@ -543,7 +654,8 @@ class ShardedCheckpointIO(CheckpointIO):
         # Spawn-based strategies pickle the plugin: ship the configuration, not locks, buffers or processes.
         state = self.__dict__.copy()
         state["_lock"] = None
-        state["_deferred"] = state["_deferred_hook"] = state["_staged"] = None
+        state["_pending"] = state["_staged"] = None
+        state["_started"], state["_copy_waits"] = {}, OrderedDict()
         state["_writer"] = ShardWriter(self._writer.chunk_bytes, self._writer.direct_io)
         state["_pool"] = StagingPool(self._pool.max_bytes)
         state["_worker"] = WriterProcess(self._worker.config)
@@ -560,11 +672,56 @@ class ShardedCheckpointIO(CheckpointIO):
 _live_instances: weakref.WeakSet[ShardedCheckpointIO] = weakref.WeakSet()
 
 
+@dataclass
+class _Pending:
+    """An async save whose device copies are still landing, and what must follow its hand-off."""
+
+    copies: staging.Copies
+    actions: list[Callable[[], None]]  # in order: the submission first, then removals and re-saves
+    hook: Any  # the optimizer pre-step hook handle (None once removed)
+
+    def unhook(self) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+
+
+# Optimizers seen stepping in this process. Their parameters and state change only in their own
+# ``step()``, so the copies of those tensors may overlap the next forward and backward.
+_stepping: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_stepping_hook: Any = None
+_COPY_WAITS_KEPT = 64
+_STAGING_HEADROOM, _STAGING_SLACK = 1.05, 64 * 2**20  # prepare_staging's margin over the estimate
+
+
+def _track_optimizers() -> None:
+    global _stepping_hook
+    if _stepping_hook is None:
+        _stepping_hook = register_optimizer_step_pre_hook(lambda optimizer, *_: _stepping.add(optimizer))
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard on this rank
+    return local.untyped_storage().data_ptr()
+
+
+def _changed_by_optimizers_only() -> Callable[[Blob], bool]:
+    """Which blobs the forward and backward leave alone: optimizer state, and the parameters of
+    optimizers seen stepping. Anything else (buffers, frozen weights, callback state) is not."""
+    params = {_storage(p) for optimizer in list(_stepping) for group in optimizer.param_groups for p in group["params"]}
+
+    def deferrable(blob: Blob) -> bool:
+        assert blob.source is not None
+        return blob.component == OPTIMIZER_COMPONENT or blob.source.untyped_storage().data_ptr() in params
+
+    return deferrable
+
+
 @atexit.register
 def _finish_in_flight_saves() -> None:
     for io in list(_live_instances):
         try:
-            io._flush_deferred()  # a save still waiting for its device copies
+            io._drain(block=True)  # a save still waiting for its device copies
             io._worker.stop()
             for error in io._worker.take_errors():
                 warnings.warn(str(error), stacklevel=1)

@@ -1,10 +1,17 @@
 """Self-measurement of saves: stall, durability, memory, and the post-save slowdown window.
 
+A save's *stall* is every moment of training it costs, wherever it lands: the save call, the
+memory release after it, and the time the training stream later idles waiting for the save's
+device-to-host copies (``copy_wait_s``, GPU time measured with CUDA events, known a step later).
+
 Step durations are the intervals between consecutive training-batch starts, so a step's duration
 includes a save made at its end. For a save at the end of step ``s``, the slowdown compares the
-median of the ``window`` steps after it with the median of the ``window`` steps before it, and
-``recovery_steps`` counts the steps after the save that stayed more than 10% slower than before
-(the field's "POST-CKPT" window). Nothing here imports Lightning.
+median of the ``window`` steps after it with the median of the ``window`` steps before it;
+``worst_slowdown`` is the slowest of those steps against the same median (the step right after a
+save is where a cost the median hides shows); ``lost_s`` adds up what the save step and the window
+took beyond that median (the total lost time, noise included); ``recovery_steps`` counts the steps
+after the save that stayed more than 10% slower than before (the field's "POST-CKPT" window).
+Nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ class SaveRecord:
     path: str
     global_step: int
     step_index: int  # training steps completed when the save happened
-    stall_s: float  # training loop blocked by the save call
+    call_s: float  # training loop blocked by the save call
     release_s: float  # memory release after the save
     nbytes: int | None
     durable_s: float | None  # from the save call until committed and durable
@@ -39,10 +46,20 @@ class SaveRecord:
     cuda_reserved_before: int
     cuda_reserved_after: int
     cuda_cache_emptied: bool
+    copy_wait_s: float | None = None  # training stream idle for the device copies (0: none)
+    cuda_fragmentation: float = 0.0  # before the release: free bytes stranded in partly used segments
+    cuda_alloc_retries: int = 0  # allocator retries (free the cache, retry) since the previous save
     pre_step_median_s: float | None = None
     post_step_median_s: float | None = None
     slowdown: float | None = None  # post / pre median step time
+    worst_slowdown: float | None = None  # slowest post-save step / pre median
+    lost_s: float | None = None  # save step + window beyond the pre median, summed
     recovery_steps: int | None = None
+
+    @property
+    def stall_s(self) -> float:
+        """Training time the save cost: call + release + copy wait (so far)."""
+        return self.call_s + self.release_s + (self.copy_wait_s or 0.0)
 
     @property
     def throughput_gbps(self) -> float | None:
@@ -54,6 +71,7 @@ class SaveRecord:
         """The ``ckpt/...`` metrics known so far."""
         values = {
             "ckpt/stall_s": self.stall_s,
+            "ckpt/call_s": self.call_s,
             "ckpt/release_s": self.release_s,
             "ckpt/host_rss_before_gb": self.host_rss_before / 1e9,
             "ckpt/host_rss_after_gb": self.host_rss_after / 1e9,
@@ -61,18 +79,23 @@ class SaveRecord:
         if self.cuda_reserved_before:
             values["ckpt/cuda_reserved_before_gb"] = self.cuda_reserved_before / 1e9
             values["ckpt/cuda_reserved_after_gb"] = self.cuda_reserved_after / 1e9
+            values["ckpt/cuda_fragmentation"] = self.cuda_fragmentation
+            values["ckpt/cuda_alloc_retries"] = float(self.cuda_alloc_retries)
         optional = {
             "ckpt/bytes_gb": None if self.nbytes is None else self.nbytes / 1e9,
             "ckpt/durable_s": self.durable_s,
             "ckpt/write_gbps": self.throughput_gbps,
+            "ckpt/copy_wait_s": self.copy_wait_s,
             "ckpt/post_save_slowdown": self.slowdown,
+            "ckpt/post_save_worst_slowdown": self.worst_slowdown,
+            "ckpt/lost_s": self.lost_s,
             "ckpt/post_save_recovery_steps": None if self.recovery_steps is None else float(self.recovery_steps),
         }
         values.update({k: float(v) for k, v in optional.items() if v is not None})
         return values
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "throughput_gbps": self.throughput_gbps}
+        return {**asdict(self), "stall_s": self.stall_s, "throughput_gbps": self.throughput_gbps}
 
 
 @dataclass
@@ -119,10 +142,12 @@ class SaveMonitor:
         before = self.step_times[max(0, save_step - self.window) : save_step]
         if not before or not after or (len(after) < self.window and not final):
             return False
-        record.pre_step_median_s = statistics.median(before)
+        record.pre_step_median_s = baseline = statistics.median(before)
         record.post_step_median_s = statistics.median(after)
-        record.slowdown = record.post_step_median_s / record.pre_step_median_s
-        limit = RECOVERED_WITHIN * record.pre_step_median_s
+        record.slowdown = record.post_step_median_s / baseline
+        record.worst_slowdown = max(after) / baseline
+        record.lost_s = sum(t - baseline for t in self.step_times[save_step : save_step + 1 + len(after)])
+        limit = RECOVERED_WITHIN * baseline
         record.recovery_steps = next((i for i, t in enumerate(after) if t <= limit), len(after))
         return True
 
@@ -171,7 +196,10 @@ def save_line(record: SaveRecord) -> str:
 
 def summary_table(records: list[SaveRecord]) -> Table:
     table = Table(title="checkpoint saves")
-    columns = ("step", "checkpoint", "GB", "stall s", "durable s", "GB/s", "slowdown", "recovery", "RSS after GB")
+    columns = (
+        "step", "checkpoint", "GB", "stall s", "copy wait s", "durable s", "GB/s",
+        "slowdown", "worst step", "lost s", "recovery", "RSS after GB",
+    )
     for column in columns:
         table.add_column(column, justify="left" if column == "checkpoint" else "right", no_wrap=True)
     for r in records:
@@ -180,9 +208,12 @@ def summary_table(records: list[SaveRecord]) -> Table:
             os.path.basename(r.path),
             _fmt(None if r.nbytes is None else r.nbytes / 1e9),
             _fmt(r.stall_s, digits=3),
+            _fmt(r.copy_wait_s, digits=3),
             _fmt(r.durable_s),
             _fmt(r.throughput_gbps),
             _fmt(r.slowdown, "×"),
+            _fmt(r.worst_slowdown, "×"),
+            _fmt(r.lost_s, digits=3),
             "-" if r.recovery_steps is None else str(r.recovery_steps),
             _fmt(r.host_rss_after / 1e9),
         )

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 MODEL_COMPONENT = "model"
-_COMPONENT_OF_KEY = {"state_dict": MODEL_COMPONENT, "optimizer_states": "optimizer"}
-_RESERVED_COMPONENTS = frozenset({MODEL_COMPONENT, "optimizer", "metadata", "manifest"})
+OPTIMIZER_COMPONENT = "optimizer"
+_COMPONENT_OF_KEY = {"state_dict": MODEL_COMPONENT, "optimizer_states": OPTIMIZER_COMPONENT}
+_RESERVED_COMPONENTS = frozenset({MODEL_COMPONENT, OPTIMIZER_COMPONENT, "metadata", "manifest"})
 
 _SIZE_UNITS = {
     "": 1, "B": 1,

@@ -1,16 +1,23 @@
 """When a safe copy exists: the host staging pool of async saves.
 
 The pool is one shared-memory file (``memfd``; an unlinked file in ``/dev/shm`` where memfd is
-missing), allocated on the first save and reused by every later one; it grows only when the state
-grows and is never shrunk. No name of it exists in the filesystem, so a crash of both processes
-leaks nothing. The writer process maps it through a file descriptor passed over a socket.
+missing), allocated at the first save (or ahead of it, by ``prepare``) and reused by every later
+one; it grows only when the state grows and is never shrunk. No name of it exists in the
+filesystem, so a crash of both processes leaks nothing. The writer process maps it through a file
+descriptor passed over a socket.
 
 Staging lays out each shard as its exact *file image* (safetensors header + tensor bytes) at a
 4096-aligned offset, so the writer process writes it with ``O_DIRECT`` straight from the pool,
-without another copy. On CUDA the pool is page-locked (``cudaHostRegister``) and the copies run
-``non_blocking`` on a side stream; the current stream then waits for them, so in-place updates
-issued after ``save_checkpoint`` returns (forward-pass buffers, ``optimizer.step``) cannot race the
-copy, while the host returns at once. Nothing here imports Lightning.
+without another copy.
+
+On CUDA the pool is page-locked (``cudaHostRegister``) by a background thread, chunk by chunk, so
+no save call waits for the whole pool to be pinned; a copy into a chunk not pinned yet waits for
+that chunk only. Device copies run ``non_blocking`` on a side stream, and the training stream is
+*not* made to wait for them at once (see :class:`Copies`): tensors that only ``optimizer.step()``
+changes (parameters of an optimizer, optimizer state) are handed over just before the next step,
+so the copy overlaps the next forward and backward; everything else (buffers such as BatchNorm's
+running statistics, which the forward updates) is copied first and waited for at once.
+Nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import ctypes
 import mmap
 import os
 import tempfile
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,9 +34,11 @@ from dataclasses import dataclass
 import torch
 
 from lightning_ckpt import manifest as fmt
-from lightning_ckpt.plan import Plan, Shard
+from lightning_ckpt.plan import Blob, Plan, Shard
 
 ALIGN = 4096
+PIN_CHUNK = 256 * 2**20  # bytes page-locked per cudaHostRegister call (a multiple of ALIGN)
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in, writable, without touching them
 
 
 def aligned(n: int) -> int:
@@ -69,6 +79,116 @@ def _new_shared_fd(nbytes: int) -> int:
     return fd
 
 
+_libc: ctypes.CDLL | None = None
+
+
+def _populate(view: torch.Tensor, address: int, nbytes: int) -> None:
+    """Fault ``nbytes`` of the pool in (kernel-side, no byte is written where the kernel can), so
+    neither ``cudaHostRegister`` nor the first copy pays for page faults. Releases the GIL."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    if _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_POPULATE_WRITE) != 0:
+        view.zero_()  # an older kernel: writing every page faults it in as well
+
+
+class _Preparer:
+    """Faults a pool's pages in and, for device copies, page-locks them: a background thread, in
+    ``PIN_CHUNK`` steps from offset 0. ``[0, ready)`` is done; ``wait_for`` blocks until a range is.
+
+    Invariant: a chunk is registered with CUDA at most once and unregistered only by ``close``.
+    """
+
+    def __init__(self, view: torch.Tensor, address: int, nbytes: int, pin: bool) -> None:
+        self.ready = 0
+        self.pin = pin
+        self.failed = False  # a registration failed: the rest runs unpinned (slower, still correct)
+        self._chunks: list[int] = []
+        self._stop = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(
+            target=self._run, args=(view, address, nbytes), name="lightning_ckpt-pin", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, view: torch.Tensor, address: int, nbytes: int) -> None:
+        offset = 0
+        try:
+            while offset < nbytes and not self._stop:
+                n = min(PIN_CHUNK, nbytes - offset)
+                _populate(view[offset : offset + n], address + offset, n)
+                if self.pin and not self.failed:
+                    if int(torch.cuda.cudart().cudaHostRegister(address + offset, n, 0)) == 0:
+                        self._chunks.append(address + offset)
+                    else:
+                        self.failed = True
+                offset += n
+                with self._cond:
+                    self.ready = offset
+                    self._cond.notify_all()
+        finally:
+            with self._cond:
+                self.ready = nbytes  # done, stopped or failed: nobody waits any longer
+                self._cond.notify_all()
+
+    def wait_for(self, end: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self.ready >= end)
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join()
+        for address in self._chunks:
+            torch.cuda.cudart().cudaHostUnregister(address)
+        self._chunks.clear()
+
+
+def _timed_wait(stream: torch.cuda.Stream, event: torch.cuda.Event) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    """Make ``stream`` wait for ``event`` (on the GPU: the host goes on) between two timing events,
+    whose elapsed time is how long the stream idled for it."""
+    before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    before.record(stream)
+    stream.wait_event(event)
+    after.record(stream)
+    return before, after
+
+
+class Copies:
+    """The device-to-pool copies of one save, queued on the pool's side stream.
+
+    ``hand_over()`` orders the training stream after them, on the GPU (the host does not wait);
+    ``ShardedCheckpointIO`` calls it just before the next ``optimizer.step()``, or before anything
+    else that may change the copied tensors. ``landed()`` / ``wait()`` tell the host when the pool
+    holds every byte. ``waited_seconds()`` is how long the training stream idled for the copies.
+    """
+
+    def __init__(self, done: torch.cuda.Event, early_wait: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> None:
+        self._done = done
+        self._waits = [early_wait] if early_wait is not None else []
+        self._handed = False
+        self._device = torch.cuda.current_device()
+
+    def hand_over(self) -> None:
+        """Idempotent; a no-op once the copies have landed."""
+        if self._handed:
+            return
+        self._handed = True
+        if not self._done.query():
+            self._waits.append(_timed_wait(torch.cuda.current_stream(self._device), self._done))
+
+    def landed(self) -> bool:
+        return self._done.query()
+
+    def wait(self) -> None:
+        self._done.synchronize()
+
+    def waited_seconds(self) -> float | None:
+        """GPU time the training stream waited for these copies; ``None`` until it is known."""
+        if not self._handed or not all(after.query() for _, after in self._waits):
+            return None
+        return sum(before.elapsed_time(after) for before, after in self._waits) / 1e3
+
+
 class StagingPool:
     """A reusable shared-memory buffer holding the file images of one checkpoint.
 
@@ -86,100 +206,150 @@ class StagingPool:
         self.generation = 0  # bumped whenever a new buffer replaces the old one
         self._map: mmap.mmap | None = None
         self._view: torch.Tensor | None = None
-        self._pinned = False
+        self._preparer: _Preparer | None = None
         self._stream: torch.cuda.Stream | None = None
-        self._copies_queued = False
+        self._queued = False  # device copies queued since the last ``copies()``
 
-    def reserve(self, nbytes: int) -> None:
-        """Make the pool at least ``nbytes`` large (a new buffer only when it must grow)."""
-        if nbytes <= self.nbytes and self._map is not None:
-            return
-        if self.max_bytes is not None and nbytes > self.max_bytes:
-            raise ValueError(
-                f"this checkpoint needs {nbytes} bytes of staging memory, above `staging_pool_size`"
-                f" ({self.max_bytes}). Raise `staging_pool_size` or save with `async_save=False`."
-            )
-        self.close()
-        self.fd = _new_shared_fd(nbytes)
-        self._map = mmap.mmap(self.fd, nbytes)
-        self._view = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.nbytes = nbytes
-        self.generation += 1
+    def reserve(self, nbytes: int, pin: bool = False) -> None:
+        """Make the pool at least ``nbytes`` large (a new buffer only when it must grow) and start
+        faulting it in, and page-locking it if ``pin``, in the background."""
+        if nbytes > self.nbytes or self._map is None:
+            if self.max_bytes is not None and nbytes > self.max_bytes:
+                raise ValueError(
+                    f"this checkpoint needs {nbytes} bytes of staging memory, above `staging_pool_size`"
+                    f" ({self.max_bytes}). Raise `staging_pool_size` or save with `async_save=False`."
+                )
+            self.close()
+            self.fd = _new_shared_fd(nbytes)
+            self._map = mmap.mmap(self.fd, nbytes)
+            self._view = torch.frombuffer(self._map, dtype=torch.uint8)
+            self.nbytes = nbytes
+            self.generation += 1
+        if self._preparer is None or (pin and not self._preparer.pin):
+            if self._preparer is not None:  # faulted in for host copies before: page-lock it now
+                self._preparer.close()
+            address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+            assert self._view is not None
+            self._preparer = _Preparer(self._view, address, self.nbytes, pin)
 
     @property
     def buffer(self) -> mmap.mmap:
         assert self._map is not None, "reserve() first"
         return self._map
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes page-locked so far (0 without CUDA or before the first device save)."""
+        p = self._preparer
+        return 0 if p is None else min(len(p._chunks) * PIN_CHUNK, self.nbytes)
+
     def stage(
-        self, plan: Plan, image_layout: ImageLayout, headers: dict[str, tuple[bytes, dict[str, fmt.HeaderEntry]]]
-    ) -> Callable[[], None] | None:
+        self,
+        plan: Plan,
+        image_layout: ImageLayout,
+        headers: dict[str, tuple[bytes, dict[str, fmt.HeaderEntry]]],
+        deferrable: Callable[[Blob], bool] = lambda _: False,
+    ) -> Copies | None:
         """Copy every blob of ``plan`` into the pool as laid out by ``layout(plan)`` (grows to fit).
 
-        Returns ``None`` when the bytes are already in the pool (host tensors), else a callable
-        that blocks until the device copies have landed.
+        Device blobs for which ``deferrable(blob)`` holds are queued last and left for the caller
+        to hand over (see :class:`Copies`); the others are queued first, and the training stream
+        waits for them at once. Returns ``None`` when no device copy was queued (the pool holds
+        every byte).
         """
-        self.reserve(max(image_layout.nbytes, ALIGN))
+        on_device = any(b.source is not None and b.source.device.type == "cuda" for s in plan.shards for b in s.blobs)
+        self.reserve(max(image_layout.nbytes, ALIGN), pin=on_device)
+        later: list[tuple[Blob, int]] = []
         for shard in plan.shards:
-            self.stage_shard(shard, headers[shard.filename], image_layout.images[shard.filename][0])
-        return self.copies_done()
+            offset = image_layout.images[shard.filename][0]
+            later += self.stage_shard(shard, headers[shard.filename], offset, deferrable)
+        early_wait = None
+        if later and self._queued:  # buffers and the like first: the forward may update them
+            assert self._stream is not None
+            early = torch.cuda.Event()
+            early.record(self._stream)
+            early_wait = _timed_wait(torch.cuda.current_stream(), early)
+        for blob, start in later:
+            self._copy_to_pool(blob, start)
+        copies = self.copies(early_wait)
+        if copies is not None and not later:
+            copies.hand_over()  # nothing to defer: the training stream waits for the copies now
+        return copies
 
-    def stage_shard(self, shard: Shard, header: tuple[bytes, dict[str, fmt.HeaderEntry]], offset: int) -> None:
-        """Copy one shard's file image to ``offset`` (device copies are queued, see ``copies_done``)."""
+    def stage_shard(
+        self,
+        shard: Shard,
+        header: tuple[bytes, dict[str, fmt.HeaderEntry]],
+        offset: int,
+        deferrable: Callable[[Blob], bool] = lambda _: False,
+    ) -> list[tuple[Blob, int]]:
+        """Copy one shard's file image to ``offset``: host bytes at once, device bytes queued (see
+        ``copies``), except deferrable device blobs, returned as (blob, pool offset) to queue later."""
         view = self._view
         assert view is not None
         header_bytes, entries = header
+        self._writable(offset + len(header_bytes))
         view[offset : offset + len(header_bytes)].copy_(torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8))
         data = offset + len(header_bytes)
+        later = []
         for blob in shard.blobs:
             if blob.nbytes == 0:
                 continue
             assert blob.source is not None
-            entry = entries[blob.name]
-            target = view[data + entry.begin : data + entry.end].view(blob.source.dtype).view(blob.source.shape)
-            if blob.source.device.type == "cuda":
-                self._pin()
-                assert self._stream is not None
-                if not self._copies_queued:
-                    self._stream.wait_stream(torch.cuda.current_stream())
-                    self._copies_queued = True
-                with torch.cuda.stream(self._stream):
-                    target.copy_(blob.source.detach(), non_blocking=True)
-                    blob.source.record_stream(self._stream)
+            start = data + entries[blob.name].begin
+            if blob.source.device.type != "cuda":
+                self._writable(start + blob.nbytes)
+                view[start : start + blob.nbytes].view(blob.source.dtype).view(blob.source.shape).copy_(blob.source.detach())
+            elif deferrable(blob):
+                later.append((blob, start))
             else:
-                target.copy_(blob.source.detach())
+                self._copy_to_pool(blob, start)
+        return later
 
-    def copies_done(self) -> Callable[[], None] | None:
-        """``None`` if no device copy is queued, else a callable blocking until they have landed.
+    def _copy_to_pool(self, blob: Blob, start: int) -> None:
+        """Queue a device blob's copy to ``[start, start + nbytes)`` on the side stream, split at
+        ``PIN_CHUNK`` boundaries (each chunk is its own registration), each piece waiting only for
+        its own chunk to be pinned."""
+        view, preparer = self._view, self._preparer
+        assert view is not None and preparer is not None and blob.source is not None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=blob.source.device)
+        if not self._queued:  # the copies read what the training stream has written so far
+            self._stream.wait_stream(torch.cuda.current_stream(blob.source.device))
+            self._queued = True
+        source = blob.source.detach().reshape(-1).view(torch.uint8)
+        end = start + blob.nbytes
+        with torch.cuda.stream(self._stream):
+            piece = start
+            while piece < end:
+                piece_end = min(end, (piece // PIN_CHUNK + 1) * PIN_CHUNK)
+                preparer.wait_for(piece_end)
+                view[piece:piece_end].copy_(source[piece - start : piece_end - start], non_blocking=True)
+                piece = piece_end
+            blob.source.record_stream(self._stream)
 
-        Later work on the training stream (in-place updates) is made to wait for the copies; the
-        host is not.
-        """
-        if not self._copies_queued:
+    def _writable(self, end: int) -> None:
+        """Wait until ``[0, end)`` is faulted in: the background thread must be past a chunk before
+        anything is written to it (its fallback zero-fills)."""
+        assert self._preparer is not None
+        self._preparer.wait_for(min(end, self.nbytes))
+
+    def copies(self, early_wait: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> Copies | None:
+        """The device copies queued since the last call (``None`` if none)."""
+        if not self._queued:
             return None
-        self._copies_queued = False
+        self._queued = False
+        assert self._stream is not None
         done = torch.cuda.Event()
         done.record(self._stream)
-        torch.cuda.current_stream().wait_event(done)
-        return done.synchronize
-
-    def _pin(self) -> None:
-        if self._pinned:
-            return
-        assert self._map is not None
-        address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-        result = torch.cuda.cudart().cudaHostRegister(address, self.nbytes, 0)
-        self._pinned = int(result) == 0  # unpinned memory still works, only slower
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
+        return Copies(done, early_wait)
 
     def close(self) -> None:
         """Release the buffer (the writer process drops its own mapping when told of a new one)."""
+        if self._preparer is not None:
+            self._preparer.close()
+            self._preparer = None
         if self._map is not None:
-            if self._pinned:
-                address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-                torch.cuda.cudart().cudaHostUnregister(address)
-                self._pinned = False
             self._view = None
             try:
                 self._map.close()
@@ -222,3 +392,4 @@ class Ring:
 
     def free_oldest(self) -> None:
         self._live.popleft()
+

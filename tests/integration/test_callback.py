@@ -123,8 +123,8 @@ def test_memory_is_released_after_a_large_synchronous_save(tmp_path):
 
 
 def test_bad_arguments_are_named():
-    with pytest.raises(ValueError, match="cuda_fragmentation_threshold"):
-        lc.ShardedModelCheckpoint(cuda_fragmentation_threshold=2)
+    with pytest.raises(ValueError, match="empty_cuda_cache='sometimes'.*on_pressure"):
+        lc.ShardedModelCheckpoint(empty_cuda_cache="sometimes")
     with pytest.raises(ValueError, match="slowdown_window"):
         lc.ShardedModelCheckpoint(slowdown_window=0)
 
