@@ -37,44 +37,179 @@ def test_tied_cuda_weights_stay_tied(tmp_path):
     assert out["a"].data_ptr() == out["b"].data_ptr() and torch.equal(out["a"], emb)
 
 
-def test_async_cuda_snapshot_pinned_pool_and_handoff_before_optimizer_step(tmp_path):
-    model = torch.nn.Linear(512, 512).cuda()
+def _bn_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(512), torch.nn.Linear(512, 8)).cuda()
     optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(4, 512, device="cuda")).sum().backward()
+    model(torch.randn(16, 512, device="cuda")).sum().backward()
     optimizer.step()
+    return model, optimizer
+
+
+def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    return {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]}
+
+
+def _host_copy(state: dict) -> dict:
+    return {
+        "model": {k: v.detach().cpu().clone() for k, v in state["state_dict"].items()},
+        "optim": {(i, k): v.cpu().clone() for i, s in state["optimizer_states"][0]["state"].items() for k, v in s.items()},
+    }
+
+
+def _assert_saved(path, expected: dict) -> None:
+    saved = lc.load_checkpoint(path, verify=True)
+    for key, value in expected["model"].items():
+        assert torch.equal(saved["state_dict"][key], value), key
+    for (i, key), value in expected["optim"].items():
+        assert torch.equal(saved["optimizer_states"][0]["state"][i][key].cpu(), value), (i, key)
+
+
+@pytest.mark.parametrize("closure", [False, True], ids=["step", "step-with-closure"])
+def test_async_copies_overlap_forward_backward_and_are_handed_over_before_the_step(tmp_path, closure):
+    model, optimizer = _bn_model()
     io = lc.ShardedCheckpointIO(async_save=True)
     try:
-        state = {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()]}
-        expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        state = _snapshot(model, optimizer)
+        expected = _host_copy(state)
+        with io.overlapping():
+            io.save_checkpoint(state, tmp_path / "gpu.ckpt")
+        assert io._pool.pinned_bytes > 0  # page-locked staging
+        pending = io._pending
+        assert pending is not None  # the host did not wait for the device-to-host copies
+        handed = []
+
+        def forward_backward():
+            handed.append(pending.copies._handed)
+            # Training mode: BatchNorm updates its running statistics in place during the forward:
+            # they were copied first and waited for at once, so this must not leak into the save.
+            model(torch.randn(16, 512, device="cuda")).sum().backward()
+            handed.append(pending.copies._handed)
+
+        if closure:  # Lightning's automatic optimization: forward and backward run inside step()
+            optimizer.step(lambda: forward_backward())
+        else:
+            forward_backward()
+            optimizer.step()  # the pre-step hook orders the in-place update after the copies
+        assert handed == [False, False]  # the copies were not waited for before or during backward
+        assert pending.copies._handed
+        io.wait()
+        assert io._pending is None
+        assert io.copy_wait_seconds(tmp_path / "gpu.ckpt") >= 0.0
+    finally:
+        io.teardown()
+    _assert_saved(tmp_path / "gpu.ckpt", expected)
+
+
+def test_async_copies_outside_overlapping_are_waited_for_at_once(tmp_path):
+    model, optimizer = _bn_model()
+    io = lc.ShardedCheckpointIO(async_save=True)
+    try:
+        state = _snapshot(model, optimizer)
+        expected = _host_copy(state)
         io.save_checkpoint(state, tmp_path / "gpu.ckpt")
-        assert io._pool._pinned  # page-locked staging
-        assert io._deferred is not None  # the host did not wait for the device-to-host copies
+        pending = io._pending
+        assert pending is None or pending.copies._handed  # the training stream already waits for them
         with torch.no_grad():
             for p in model.parameters():
-                p.add_(1.0)  # queued on the training stream after the copies: must not leak into them
-        model(torch.randn(4, 512, device="cuda")).sum().backward()
-        optimizer.step()  # the pre-step hook hands the staged checkpoint to the writer
-        assert io._deferred is None
+                p.add_(1.0)  # in place, outside optimizer.step(): ordered after the copies
         io.wait()
     finally:
         io.teardown()
-    saved = lc.load_checkpoint(tmp_path / "gpu.ckpt", verify=True)["state_dict"]
-    for key, value in expected.items():
-        assert torch.equal(saved[key], value), key
+    _assert_saved(tmp_path / "gpu.ckpt", expected)
 
 
-def test_release_memory_empties_a_fragmented_cuda_cache():
+def test_staging_pool_is_pinned_in_the_background_before_the_first_save(tmp_path):
+    model, optimizer = _bn_model()
+    io = lc.ShardedCheckpointIO(async_save=True)
+    try:
+        io.prepare_staging(600 * 2**20, on_device=True)  # more than one PIN_CHUNK
+        pool = io._pool
+        assert pool.nbytes > 600 * 2**20
+        pool._preparer.wait_for(pool.nbytes)
+        assert pool.pinned_bytes == pool.nbytes
+        generation = pool.generation
+        state = _snapshot(model, optimizer)
+        expected = _host_copy(state)
+        io.save_checkpoint(state, tmp_path / "gpu.ckpt")
+        assert pool.generation == generation  # the prepared pool was used, not replaced
+        io.wait()
+    finally:
+        io.teardown()
+    _assert_saved(tmp_path / "gpu.ckpt", expected)
+
+
+def test_release_memory_empties_the_cache_only_under_allocator_pressure():
     import gc
 
-    from lightning_ckpt.memory import release_memory
+    from lightning_ckpt.memory import memory_stats, release_memory
 
-    # release_memory() starts with gc.collect(): collect first whatever earlier tests in this
-    # process left in reference cycles (it can hold CUDA tensors), so that the allocated bytes
-    # compared below are this test's live tensors alone.
     gc.collect()
-    keep = [torch.empty(1 << 20, device="cuda") for _ in range(64)]
-    del keep[::2]  # half of the blocks freed: reserved >> allocated
-    report = release_memory(cuda_fragmentation_threshold=0.1)
-    assert report.before.cuda_fragmentation > 0.1
-    assert report.cuda_cache_emptied and report.after.cuda_reserved <= report.before.cuda_reserved
+    torch.cuda.empty_cache()
+    # A plain loop: the same activation sizes every step. Reserved-but-free memory is the next
+    # step's, no allocation retries: the cache is left alone.
+    for _ in range(3):
+        activations = [torch.empty(8 << 20, device="cuda") for _ in range(8)]
+        del activations
+    since = memory_stats()
+    report = release_memory("on_pressure", since)
+    assert report.before.cuda_reserved > report.before.cuda_allocated  # cached, free memory...
+    assert not report.cuda_cache_emptied  # ...kept for the next step
+    # Real pressure: under a memory cap, cached blocks of one size cannot serve a larger request,
+    # so the allocator frees its cache and retries (num_alloc_retries grows).
+    total = torch.cuda.get_device_properties(0).total_memory
+    free_now = total - torch.cuda.memory_reserved()
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved() + (1 << 30)) / total))
+    try:
+        small = [torch.empty(96 << 20, dtype=torch.uint8, device="cuda") for _ in range(8)]  # 768 MiB cached
+        del small
+        big = torch.empty(700 << 20, dtype=torch.uint8, device="cuda")  # does not fit the 96 MiB blocks
+        del big
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert free_now > 2 << 30
+    report = release_memory("on_pressure", since)
+    assert report.before.cuda_alloc_retries > since.cuda_alloc_retries
+    assert report.cuda_cache_emptied
     assert report.after.cuda_allocated == report.before.cuda_allocated  # nothing live was touched
+
+
+def test_trainer_async_saves_with_overlapped_copies_hold_the_state_of_their_step(tmp_path):
+    """Lightning's automatic optimization runs forward and backward inside ``optimizer.step``: the
+    copies overlap them and the update waits; every checkpoint holds its own step's state."""
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.callbacks import Callback
+
+    class Net(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.BatchNorm1d(1024), torch.nn.Linear(1024, 1))
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters())
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(64, 256), batch_size=8)
+
+    class Expect(Callback):  # runs before the checkpoint callback (Lightning orders those last)
+        states: dict[int, dict] = {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step % 2 == 0:
+                self.states[trainer.global_step] = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+
+    callback = lc.ShardedModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    trainer = Trainer(
+        accelerator="cuda", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+        callbacks=[Expect(), callback], plugins=[lc.ShardedCheckpointIO(async_save=True)],
+    )
+    trainer.fit(Net())
+    assert sorted(Expect.states) == [2, 4, 6, 8]
+    for step, expected in Expect.states.items():
+        saved = lc.load_checkpoint(tmp_path / f"step={step}.ckpt", verify=True)["state_dict"]
+        for key, value in expected.items():
+            assert torch.equal(saved[key], value), (step, key)
+    records = callback.save_records
+    assert all(isinstance(r["copy_wait_s"], float) and r["durable_s"] >= r["call_s"] for r in records)

@@ -184,3 +184,49 @@ def test_two_callbacks_sharing_a_folder_keep_what_two_model_checkpoints_keep(tmp
     run(lc.ShardedModelCheckpoint, tmp_path / "ours")
     assert _kept(tmp_path / "ours") == _kept(tmp_path / "stock")
     assert any(name.endswith("-v1.ckpt") for name in _kept(tmp_path / "ours"))  # the version counter saw the sibling's file
+
+
+def test_copies_overlap_only_saves_followed_by_a_training_step(tmp_path):
+    """Saves between two training steps may overlap their device copies with the next step; a save
+    followed by validation, the end of an epoch or the end of training may not (a callback may
+    swap weights in place there)."""
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_ckpt.callback import _training_step_follows
+
+    class Spy(Callback):
+        seen: list[tuple[int, int, bool]] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seen.append((trainer.current_epoch, batch_idx, _training_step_follows(trainer)))
+
+    seed_everything(0)
+    trainer = Trainer(
+        max_epochs=2, callbacks=[Spy()], **trainer_kwargs(limit_val_batches=1, val_check_interval=2)
+    )
+    trainer.fit(TinyRegressor())
+    assert STEPS_PER_EPOCH == 4
+    # Validation runs after batches 1 and 3; batch 3 also ends the epoch.
+    assert Spy.seen == [(e, b, b in (0, 2)) for e in (0, 1) for b in range(4)]
+
+
+def test_async_staging_pool_is_prepared_after_the_first_step(tmp_path):
+    io = lc.ShardedCheckpointIO(async_save=True)
+    callback = lc.ShardedModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    seed_everything(0)
+    prepared = []
+
+    class Watch(TinyRegressor):
+        def on_train_batch_start(self, batch, batch_idx):
+            if batch_idx == 1:  # after the first step, before any save
+                prepared.append((io._pool.nbytes, io._pool.generation))
+
+    trainer = Trainer(max_epochs=1, callbacks=[callback], plugins=[io], **trainer_kwargs())
+    model = Watch()
+    trainer.fit(model)
+    state = sum(p.nbytes for p in model.parameters()) * 3  # weights + Adam's two moments
+    (nbytes, generation), = prepared
+    assert nbytes >= state and generation == 1
+    assert len(callback.save_records) >= 1
+    for record in callback.save_records:
+        assert record["copy_wait_s"] == 0.0  # no device copies on the CPU

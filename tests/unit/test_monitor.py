@@ -30,6 +30,9 @@ def test_slowdown_and_recovery_steps():
     assert record.pre_step_median_s == pytest.approx(1.0)
     assert record.post_step_median_s == pytest.approx(1.25)  # median of 2.0, 1.5, 1.0, 1.0
     assert record.slowdown == pytest.approx(1.25) and record.recovery_steps == 2
+    # The median hides the step right after the save; the worst step and the lost time do not.
+    assert record.worst_slowdown == pytest.approx(2.0)
+    assert record.lost_s == pytest.approx(2.0 + 1.0 + 0.5 + 0.0 + 0.0)  # save step + window, beyond 1.0 s
 
 
 def test_window_waits_for_enough_steps_and_finish_closes_it():
@@ -48,3 +51,14 @@ def test_validation_time_is_not_a_step():
     monitor.on_step_start(100.0)  # the next training step after a long validation
     monitor.on_step_start(101.0)
     assert monitor.step_times == pytest.approx([1.0, 1.0])
+
+
+def test_stall_counts_the_call_the_release_and_the_copy_wait():
+    record = _record(step_index=0)  # call 0.5 s, release 0 s
+    record.release_s = 0.25
+    assert record.stall_s == pytest.approx(0.75)  # copy wait not known yet
+    record.copy_wait_s = 0.1
+    assert record.stall_s == pytest.approx(0.85)
+    data = record.as_dict()
+    assert data["stall_s"] == pytest.approx(0.85) and data["call_s"] == 0.5 and data["copy_wait_s"] == 0.1
+    assert record.metrics()["ckpt/stall_s"] == pytest.approx(0.85) and record.metrics()["ckpt/copy_wait_s"] == 0.1
