@@ -35,6 +35,10 @@ class Contender:
     def save(self, checkpoint: dict[str, Any], path: str) -> None:
         raise NotImplementedError
 
+    def before_update(self) -> None:
+        """Called by the loop right before it updates the state (``optimizer.step``) after a save:
+        a contender whose snapshot may still be in progress waits for it here."""
+
     def poll(self) -> list[tuple[str, float]]:
         finished = []
         while True:
@@ -111,36 +115,79 @@ class AsyncIO(Contender):
 
 
 def dcp_stager_reusable() -> bool:
-    """Whether ``DefaultStager`` can stage more than once (torch >= 2.13; see the module docstring)."""
+    """Whether ``DefaultStager`` can stage more than once.
+
+    torch < 2.13: ``DefaultStager._stage`` ends by closing its ``StateDictStager``, which empties
+    the table of staged storages, so the next stage raises ``KeyError``; there ``DcpAsync`` takes a
+    fresh stager per save (no warm staging buffers, a measured difference of that torch version).
+    """
     major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
     return (major, minor) >= (2, 13)
 
 
-def dcp_staging_options(device: str) -> dict[str, bool]:
+def dcp_process_available() -> bool:
+    """Whether this torch has ``async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)``."""
+    try:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    except ImportError:
+        return False
+    return hasattr(AsyncCheckpointerType, "PROCESS")
+
+
+def dcp_staging_options(device: str, process: bool = False, async_staging: bool = False) -> dict[str, bool]:
+    """``StagingOptions`` of ``DcpAsync``: DCP's fast path for ``device``.
+
+    ``process``: the staged copy goes to a checkpoint daemon process, so it is put in shared memory
+    (handed over without a copy). ``async_staging`` (CUDA only): the device-to-host copy runs in
+    the background and the state must not change before it finished (``DcpAsync.before_update``).
+    """
     if device == "cuda":
-        # Page-locked buffers and non-blocking copies (DCP's fast path for device tensors); staging
-        # is synchronous, so the state may be updated as soon as async_save returns.
-        return {"use_pinned_memory": True, "use_shared_memory": False, "use_async_staging": False, "use_non_blocking_copy": True}
+        # Page-locked buffers and non-blocking copies (DCP's fast path for device tensors)
+        return {
+            "use_pinned_memory": True,
+            "use_shared_memory": process,
+            "use_async_staging": async_staging,
+            "use_non_blocking_copy": True,
+        }
     # DefaultStager() with default options raises on a CPU-only build (pinned memory, async
     # staging and non-blocking copies need an accelerator); shared memory works on CPU.
     return {"use_pinned_memory": False, "use_shared_memory": True, "use_async_staging": False, "use_non_blocking_copy": False}
 
 
 class DcpAsync(Contender):
+    """``torch.distributed.checkpoint.async_save`` with one ``DefaultStager`` kept across saves.
+
+    ``checkpointer="process"`` uses DCP's checkpoint daemon process (needs a process group: a
+    one-rank gloo group is made here when none exists, and destroyed on ``teardown``).
+    """
+
     asynchronous = True
 
-    def __init__(self, run_dir: str, device: str = "cpu") -> None:
+    def __init__(self, run_dir: str, device: str = "cpu", checkpointer: str = "thread", async_staging: bool = False) -> None:
         super().__init__()
-        self.options = dcp_staging_options(device)
+        if checkpointer not in ("thread", "process"):
+            raise ValueError(f"checkpointer={checkpointer!r}: choose 'thread' or 'process'")
+        self.process = checkpointer == "process"
+        self.options = dcp_staging_options(device, self.process, async_staging and device == "cuda")
         self.reuse_stager = dcp_stager_reusable()
         if not self.reuse_stager:
             self.notes.append(
                 f"torch {torch.__version__}: a fresh DefaultStager per save (this version's stager stages only once)"
             )
+        self.owns_group = False
+        if self.process:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # the daemon's TCPStore host
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+                self.owns_group = True
         self.stager = self._new_stager()
         self.used = False
         self.future: Any = None
+        self.staging: Any = None  # async staging: the future of the snapshot in progress
         self.waits: list[float] = []
+        self.staging_waits: list[float] = []
         self.errors: queue.SimpleQueue[str] = queue.SimpleQueue()
 
     def _new_stager(self) -> Any:
@@ -150,6 +197,7 @@ class DcpAsync(Contender):
 
     def save(self, checkpoint: dict[str, Any], path: str) -> None:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         if self.future is not None and not self.future.done():
             # The stager reuses its buffers: the previous write must finish before they are restaged.
@@ -161,7 +209,11 @@ class DcpAsync(Contender):
             self.stager = self._new_stager()
         self.used = True
         self.in_flight.add(path)
-        future = dcp.async_save(checkpoint, checkpoint_id=path, async_stager=self.stager)
+        kind = AsyncCheckpointerType.PROCESS if self.process else AsyncCheckpointerType.THREAD
+        response = dcp.async_save(checkpoint, checkpoint_id=path, async_stager=self.stager, async_checkpointer_type=kind)
+        # async staging returns an AsyncSaveResponse (staging + upload futures), otherwise the upload future
+        future = getattr(response, "upload_completion", response)
+        self.staging = getattr(response, "staging_completion", None)
 
         def finished(f: Any, path: str = path) -> None:
             at = time.perf_counter()
@@ -174,6 +226,13 @@ class DcpAsync(Contender):
         future.add_done_callback(finished)
         self.future = future
 
+    def before_update(self) -> None:
+        if self.staging is not None:
+            start = time.perf_counter()
+            self.staging.result()
+            self.staging_waits.append(time.perf_counter() - start)
+            self.staging = None
+
     def poll(self) -> list[tuple[str, float]]:
         try:
             error = self.errors.get_nowait()
@@ -181,12 +240,37 @@ class DcpAsync(Contender):
             return super().poll()
         raise RuntimeError(f"DCP async_save failed: {error}")
 
+    def helper_pids(self) -> list[int]:
+        daemon = self._daemon()
+        pid = getattr(getattr(daemon, "_save_process", None), "pid", None)
+        return [] if pid is None else [pid]
+
+    @staticmethod
+    def _daemon() -> Any:
+        # DCP keeps its checkpoint daemon in a module global (torch 2.13 internals; None if absent)
+        try:
+            from torch.distributed.checkpoint import _async_process_executor as executor
+        except ImportError:
+            return None
+        return getattr(executor, "_CHECKPOINT_PROCESS", None)
+
     def teardown(self) -> None:
         try:
             if self.future is not None:
                 self.future.result()
         finally:
             self.stager.close()
+            if self.process:
+                daemon = self._daemon()
+                if daemon is not None:  # ends the daemon (TERMINATE, join, SIGTERM after 5 s)
+                    daemon.__del__()
+                    from torch.distributed.checkpoint import _async_process_executor as executor
+
+                    executor._CHECKPOINT_PROCESS = None
+            if self.owns_group:
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
 
 
 class Sharded(Contender):
@@ -228,11 +312,12 @@ class Sharded(Contender):
             self.done.put((last.path, start + last.seconds))
 
     def poll(self) -> list[tuple[str, float]]:
-        if self.asynchronous and self._handed_off and self.io._deferred is None and not self.io._worker.busy:
-            # nothing in flight (and no hand-off waiting for device copies, which wait() would
-            # flush and then block on): returns at once, raises a background error, sets last_save
-            self.io.wait()
-            self._harvest()
+        if self.asynchronous and self._handed_off:
+            # io.poll(): the saves that became durable since the last poll; never blocks
+            for result in self.io.poll():
+                start = self._handed_off.pop(result.path, None)
+                if start is not None:  # not already harvested from last_save
+                    self.done.put((result.path, max(start, self._submitted.pop(result.path, 0.0)) + result.seconds))
         return super().poll()
 
     def helper_pids(self) -> list[int]:
@@ -243,13 +328,16 @@ class Sharded(Contender):
         self.io.teardown()
 
 
-def make_contender(name: str, run_dir: str, max_write_rate: str | None = None, device: str = "cpu") -> Contender:
+def make_contender(
+    name: str, run_dir: str, max_write_rate: str | None = None, device: str = "cpu", dcp: dict[str, Any] | None = None
+) -> Contender:
+    """The contender ``name``; ``dcp``: keyword arguments of :class:`DcpAsync` (checkpointer, async_staging)."""
     if name == "torch_io":
         return TorchIO(run_dir)
     if name == "async_io":
         return AsyncIO(run_dir)
     if name == "dcp_async":
-        return DcpAsync(run_dir, device)
+        return DcpAsync(run_dir, device, **(dcp or {}))
     if name == "sharded_async":
         return Sharded(run_dir, asynchronous=True, max_write_rate=max_write_rate)
     if name == "sharded_sync":

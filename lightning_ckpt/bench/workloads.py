@@ -1,11 +1,13 @@
 """Workloads: the synthetic Lightning checkpoint dict of ``--mode save|async``, the fixed compute
-and state update of the simulated loop (``--mode async``)."""
+and state update of the simulated loop (``--mode async``), and the decoder-only transformer of the
+real training loop (``--mode train``)."""
 
 from __future__ import annotations
 
 import math
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -162,3 +164,103 @@ def calibrate_matmuls(target_ms: float, n: int = MATMUL_SIZE, device: str = "cpu
         times.append(time.perf_counter() - start)
     one_ms = statistics.median(times) * 1000
     return max(1, round(target_ms / one_ms)), one_ms
+
+
+# ----------------------------------------------------------------------------------------------
+# The real training step (--mode train): a decoder-only transformer
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderConfig:
+    """Shape of :class:`Decoder`. ``heads`` divides ``width``; ``tied``: the head reuses the embedding."""
+
+    vocab: int
+    width: int
+    layers: int
+    heads: int
+    tied: bool = False
+
+    def parameters(self) -> int:
+        """Parameter count: per block 12 w^2 (attention 4 w^2, 4x MLP 8 w^2) + 2 w (norms)."""
+        head = 0 if self.tied else self.vocab * self.width
+        return self.vocab * self.width + head + self.layers * (12 * self.width**2 + 2 * self.width) + self.width
+
+
+def decoder_config(
+    params: int, vocab: int, tied: bool = False, layers: int | None = None, width: int | None = None
+) -> DecoderConfig:
+    """A config of about ``params`` parameters, GPT-3's aspect (width ~ 85 x layers, 64-wide heads)
+    where ``layers`` / ``width`` are not given; with both given, ``params`` is ignored."""
+
+    def config(w: int, n: int) -> DecoderConfig:
+        heads = max(1, w // 64)
+        while w % heads:
+            heads -= 1
+        return DecoderConfig(vocab, w, n, heads, tied)
+
+    if width is not None:
+        embeddings = config(width, 0).parameters()
+        return config(width, layers or max(1, round((params - embeddings) / (12 * width**2))))
+    step = 64 if params >= 50_000_000 else 16
+    candidates = [config(w, layers or max(1, round(w / 85))) for w in range(step, 16385, step)]
+    return min(candidates, key=lambda c: abs(c.parameters() - params))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attn_norm = torch.nn.RMSNorm(width)
+        self.qkv = torch.nn.Linear(width, 3 * width, bias=False)
+        self.proj = torch.nn.Linear(width, width, bias=False)
+        self.mlp_norm = torch.nn.RMSNorm(width)
+        self.up = torch.nn.Linear(width, 4 * width, bias=False)
+        self.down = torch.nn.Linear(4 * width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, w = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, w))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.mlp_norm(x))))
+
+
+class Decoder(torch.nn.Module):
+    """Embedding, ``layers`` pre-norm blocks (causal attention + 4x GELU MLP, RMSNorm), a final
+    RMSNorm and an LM head (tied to the embedding or not)."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(config.vocab, config.width)
+        self.blocks = torch.nn.ModuleList(_Block(config.width, config.heads) for _ in range(config.layers))
+        self.norm = torch.nn.RMSNorm(config.width)
+        self.head = torch.nn.Linear(config.width, config.vocab, bias=False)
+        if config.tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def lightning_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, epoch: int = 0) -> dict[str, Any]:
+    """The dict ``Trainer.save_checkpoint`` hands to ``CheckpointIO.save_checkpoint`` (built afresh
+    per save, as ``dump_checkpoint`` does: the tensors are the live parameters and optimizer state)."""
+    return {
+        "epoch": epoch,
+        "global_step": step,
+        "pytorch-lightning_version": version("lightning") or "unknown",
+        "state_dict": model.state_dict(),
+        "loops": {
+            "fit_loop": {
+                "state_dict": {},
+                "epoch_progress": {"total": {"ready": epoch + 1, "completed": epoch}},
+                "epoch_loop.batch_progress": {"total": {"ready": step, "completed": step}},
+            }
+        },
+        "callbacks": {},
+        "optimizer_states": [optimizer.state_dict()],
+        "lr_schedulers": [],
+    }
