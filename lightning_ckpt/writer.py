@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import fcntl
 import json
@@ -198,43 +197,102 @@ class ShardWriter:
             raise OSError(errno.EIO, f"wrote {written} of {total} bytes", path)
         return fmt.FileRecord(size=total, digest=running.hexdigest())
 
-
     def write_image(self, path: str, buffer: mmap.mmap, offset: int, size: int, direct: bool) -> fmt.FileRecord:
         """Write ``buffer[offset:offset+size]`` (a staged file image) to ``path`` without copying it.
 
         ``offset`` is 4096-aligned and the buffer extends to the next multiple of 4096 after the
-        image, so ``O_DIRECT`` writes go straight from the buffer. A thread computes the digest
-        while this one writes (both release the GIL).
+        image, so ``O_DIRECT`` writes go straight from the buffer. The digest is computed by a
+        ``_BackgroundDigest`` at idle CPU priority while this thread writes (the writer process's
+        path: training wins the CPU; the disk, not the hash, sets the pace).
         """
         image = memoryview(buffer)[offset : offset + size]
+        # Rate-capped: hash chunk by chunk inside the paced loop, so the hashing is spread out too.
+        digest = None if self.max_rate else _BackgroundDigest(image)
         running = fmt.hasher()
-        # Full speed: a thread hashes the whole image while this one writes. Rate-capped: hash
-        # chunk by chunk inside the paced loop, so the hashing is spread out as well.
-        hasher = None
-        if not self.max_rate:
-            hasher = threading.Thread(target=running.update, args=(image,), name="lightning_ckpt-hash")
-        fd = _open_for_write(path, direct)
         try:
-            if hasher is not None:
-                hasher.start()
-            data = memoryview(buffer)[offset : offset + -(-size // _ALIGN) * _ALIGN] if direct else image
-            began = time.perf_counter()
-            for start in range(0, len(data), self.chunk_bytes):
-                _write_all(fd, data[start : start + self.chunk_bytes])
-                if self.max_rate:
-                    running.update(image[start : start + self.chunk_bytes])
-                    ahead = (start + self.chunk_bytes) / self.max_rate - (time.perf_counter() - began)
-                    if ahead > 0:
-                        time.sleep(ahead)
-            if direct:
-                os.ftruncate(fd, size)
-            os.fsync(fd)
-            drop_page_cache(fd)
+            fd = _open_for_write(path, direct)
+            try:
+                data = memoryview(buffer)[offset : offset + -(-size // _ALIGN) * _ALIGN] if direct else image
+                began = time.perf_counter()
+                for start in range(0, len(data), self.chunk_bytes):
+                    _write_all(fd, data[start : start + self.chunk_bytes])
+                    if self.max_rate:
+                        running.update(image[start : start + self.chunk_bytes])
+                        ahead = (start + self.chunk_bytes) / self.max_rate - (time.perf_counter() - began)
+                        if ahead > 0:
+                            time.sleep(ahead)
+                if direct:
+                    os.ftruncate(fd, size)
+                os.fsync(fd)
+                drop_page_cache(fd)
+            finally:
+                os.close(fd)
+            hexdigest = running.hexdigest() if digest is None else digest.finish()
         finally:
-            os.close(fd)
-            if hasher is not None and hasher.ident is not None:
-                hasher.join()
-        return fmt.FileRecord(size=size, digest=running.hexdigest())
+            if digest is not None:
+                digest.cancel()
+        return fmt.FileRecord(size=size, digest=hexdigest)
+
+
+class _BackgroundDigest:
+    """The digest of a file image, computed by a thread at idle CPU priority while the caller writes.
+
+    The writer process runs beside training on the same cores. Hashing is its only real CPU work
+    (the ``O_DIRECT`` writes are DMA), and the disk is slower than the hash, so the hash has the
+    whole write to finish in: ``SCHED_IDLE`` lets it use only CPU time nothing else wants. If it
+    lags (every core busy), ``finish`` hashes the rest in the calling thread, at the process's own
+    priority: durability never waits on a starved thread for more than one piece.
+
+    The image is hashed in order, one ``_PIECE`` at a time under a lock (xxhash releases the GIL),
+    so whichever thread holds the lock continues where the other stopped.
+    """
+
+    _PIECE = 2**20  # the longest ``finish`` waits for the idle thread's current update
+
+    def __init__(self, image: memoryview) -> None:
+        self._image = image
+        self._running = fmt.hasher()
+        self._done = 0  # bytes hashed so far
+        self._stopped = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="lightning_ckpt-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        _lower_thread_priority()
+        size = len(self._image)
+        while True:
+            with self._lock:
+                if self._stopped or self._done >= size:
+                    return
+                end = min(self._done + self._PIECE, size)
+                self._running.update(self._image[self._done : end])
+                self._done = end
+
+    def finish(self) -> str:
+        """The image's hex digest (hashing what the thread has not reached yet)."""
+        with self._lock:
+            self._stopped = True
+            if self._done < len(self._image):
+                self._running.update(self._image[self._done :])
+                self._done = len(self._image)
+        self._thread.join()
+        return self._running.hexdigest()
+
+    def cancel(self) -> None:
+        """Stop the thread (a failed write); no-op after ``finish``."""
+        with self._lock:
+            self._stopped = True
+        self._thread.join()
+
+
+def _lower_thread_priority() -> None:
+    """Put the calling thread in ``SCHED_IDLE`` (Linux: per thread); elsewhere leave it as it is."""
+    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            pass
 
 
 def _byte_pieces(header: bytes, blobs: tuple[Blob, ...], chunk: int) -> Iterator[torch.Tensor]:
@@ -327,7 +385,8 @@ def _renameat2(src: str, dst: str, flags: int) -> bool:
     """
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        # The libc already loaded into this process: ``find_library`` would spawn ``ldconfig``.
+        _libc = ctypes.CDLL(None, use_errno=True)
     number = _SYS_RENAMEAT2.get(os.uname().machine)
     args = (_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags)
     if number is not None:
