@@ -263,6 +263,7 @@ class ShardedCheckpointIO(CheckpointIO):
         )
         self._lock = threading.RLock()
         self._pending: Optional[_Pending] = None  # a save whose device copies are still landing
+        self._action_errors: list[Exception] = []
         self._started: dict[str, deque[float]] = {}  # path -> wall-clock starts of saves not yet durable
         self._copy_waits: OrderedDict[str, staging.Copies] = OrderedDict()  # path -> its latest save's copies
         self._refuse_next_removal = False
@@ -351,6 +352,7 @@ class ShardedCheckpointIO(CheckpointIO):
                 self.last_stall_seconds = time.perf_counter() - start
                 return
             self._drain(block=True)  # the pool is about to be staged again
+            self._raise_action_errors()
             if self._worker.busy:
                 if self.when_busy == "skip" and can_skip:
                     self.skipped_saves += 1
@@ -423,7 +425,8 @@ class ShardedCheckpointIO(CheckpointIO):
         """Optimizer pre-step hook: the step changes what the pending copies read, so the training
         stream is ordered after them here, or, for a step given a closure (Lightning's automatic
         optimization runs forward and backward inside it), once the closure has run."""
-        closure = kwargs.get("closure", args[0] if args else None)
+        # ``args`` starts with the optimizer itself (``step`` is a method): the closure is next.
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if not callable(closure):
             self._hand_over()
             return None
@@ -435,7 +438,7 @@ class ShardedCheckpointIO(CheckpointIO):
 
         if "closure" in kwargs:
             return args, {**kwargs, "closure": then_hand_over}
-        return (then_hand_over, *args[1:]), kwargs
+        return (args[0], then_hand_over, *args[2:]), kwargs
 
     def _hand_over(self) -> None:
         with self._lock:
@@ -463,7 +466,10 @@ class ShardedCheckpointIO(CheckpointIO):
         pending.copies.wait()
         with self._lock:
             if self._pending is pending:
-                self._drain(block=False)
+                try:
+                    self._drain(block=False)
+                except Exception as error:  # raised on the training thread at its next call
+                    self._action_errors.append(error)
 
     def _drain(self, block: bool) -> None:
         """Hand the pending save (and what was queued behind it) to the writer once its copies have
@@ -479,8 +485,20 @@ class ShardedCheckpointIO(CheckpointIO):
                 return
             self._pending = None
             pending.unhook()
-            for action in pending.actions:
-                action()
+            errors = []
+            for action in pending.actions:  # each runs, whatever an earlier one raised
+                try:
+                    action()
+                except Exception as error:
+                    errors.append(error)
+            if errors:
+                raise errors[0]
+
+    def _raise_action_errors(self) -> None:
+        """What a removal queued behind a save raised on the watcher thread (e.g. a refused path)."""
+        if self._action_errors:
+            error, self._action_errors = self._action_errors[0], []
+            raise error
 
     def prepare_staging(self, nbytes: int, on_device: bool) -> None:
         """Async mode: allocate the staging pool for a state of about ``nbytes`` now and fault it
@@ -600,6 +618,7 @@ class ShardedCheckpointIO(CheckpointIO):
             self._drain(block=True)
             self._worker.wait()
             self._report(self._worker.take_errors())
+            self._raise_action_errors()
 
     @override
     def teardown(self) -> None:
@@ -655,6 +674,7 @@ class ShardedCheckpointIO(CheckpointIO):
         state = self.__dict__.copy()
         state["_lock"] = None
         state["_pending"] = state["_staged"] = None
+        state["_action_errors"] = []
         state["_started"], state["_copy_waits"] = {}, OrderedDict()
         state["_writer"] = ShardWriter(self._writer.chunk_bytes, self._writer.direct_io)
         state["_pool"] = StagingPool(self._pool.max_bytes)
