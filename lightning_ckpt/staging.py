@@ -183,8 +183,9 @@ class Copies:
         self._done.synchronize()
 
     def waited_seconds(self) -> float | None:
-        """GPU time the training stream waited for these copies; ``None`` until it is known."""
-        if not self._handed or not all(after.query() for _, after in self._waits):
+        """GPU time the training stream waited for these copies; ``None`` until it is known (the
+        copies landed before anything had to wait for them: only the early wait counts)."""
+        if not (self._handed or self._done.query()) or not all(after.query() for _, after in self._waits):
             return None
         return sum(before.elapsed_time(after) for before, after in self._waits) / 1e3
 

@@ -25,6 +25,7 @@ MODES: dict[str, tuple[str, str]] = {
     "train": ("train", "a real training loop (decoder-only transformer + AdamW): training time lost per save"),
     "distributed": ("distributed", "N CPU ranks (gloo): FSDP2 and DDP saves and loads against stock DCP"),
     "activations": ("activations", "activation checkpointing: peak activation memory and step time"),
+    "fragmentation": ("fragmentation", "CUDA: what emptying the allocator's cache after saves does to the next steps"),
 }
 DEFAULT_MODE = "save"
 _KEEPS_MODE = ("save", "distributed")  # their parsers take --mode themselves; they get argv unchanged
