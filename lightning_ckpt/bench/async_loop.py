@@ -41,9 +41,9 @@ Contenders:
   use_async_staging=False, use_non_blocking_copy=False))`` kept across saves (warm staging
   buffers); durable when the future completes (FileSystemWriter fsyncs its files). It saves the
   same Lightning dict (non-tensor values are pickled by DCP).
-* ``sharded_async``: ``ShardedCheckpointIO(async_save=True)``; durable = end of the save call +
-  ``io.last_save.seconds`` (hand-off -> committed and durable, as the writer process reports it),
-  polled between steps without blocking.
+* ``sharded_async``: ``ShardedCheckpointIO(async_save=True)``; durable = start of the save call +
+  ``WriteResult.seconds`` (save call -> committed and durable, as the writer process reports it),
+  from ``io.last_save`` and ``io.poll()`` between steps (never blocking).
 * ``sharded_sync``: ``ShardedCheckpointIO()`` (durable when the call returns).
 * ``plain_copy``: the floor for a stall: one ``copy_`` of the whole state into already-allocated,
   pre-faulted buffers (median of 3 copies).
@@ -774,7 +774,7 @@ def main(argv: list[str] | None = None) -> int:
                 "torch_io": "save_checkpoint + fsync of the file",
                 "async_io": "the wrapped inner TorchCheckpointIO's save + fsync finished (background thread)",
                 "dcp_async": "the async_save future completed (FileSystemWriter fsyncs its files)",
-                "sharded_async": "end of save_checkpoint + io.last_save.seconds (writer process: committed + durable)",
+                "sharded_async": "start of save_checkpoint + WriteResult.seconds from io.last_save / io.poll() (save call -> committed + durable)",
                 "sharded_sync": "save_checkpoint returned",
             },
             "units": "GB = 1e9 bytes, MB = 1e6 bytes; *delta_mb / growth / peak figures are relative to the RSS"

@@ -274,54 +274,42 @@ class DcpAsync(Contender):
 
 
 class Sharded(Contender):
+    """``ShardedCheckpointIO``, sync or async. An async save is durable at its call's start plus
+    ``WriteResult.seconds`` (from the save call until committed and durable, as the writer process
+    reports it), read from ``io.last_save`` after a call and from ``io.poll()`` between steps."""
+
     def __init__(self, run_dir: str, asynchronous: bool, max_write_rate: str | None = None) -> None:
         super().__init__()
         from lightning_ckpt import ShardedCheckpointIO
 
         self.asynchronous = asynchronous
         self.io = ShardedCheckpointIO(async_save=asynchronous, max_write_rate=max_write_rate)
-        self._handed_off: dict[str, float] = {}  # path -> perf_counter when save_checkpoint returned
-        # path -> perf_counter when the job went to the writer: after save_checkpoint returned when
-        # device copies deferred the hand-off to the next optimizer step (CUDA)
-        self._submitted: dict[str, float] = {}
-        submit = self.io._submit
-
-        def timed_submit(prepared: Any, path: str, images: Any) -> None:
-            self._submitted[path] = time.perf_counter()
-            submit(prepared, path, images)
-
-        self.io._submit = timed_submit  # type: ignore[method-assign]
+        self._called: dict[str, float] = {}  # path -> perf_counter when its save call started
 
     def save(self, checkpoint: dict[str, Any], path: str) -> None:
         path = os.path.abspath(path)
         self.in_flight.add(path)
+        start = time.perf_counter()
         self.io.save_checkpoint(checkpoint, path)
-        end = time.perf_counter()
         if not self.asynchronous:
-            self.done.put((path, end))
+            self.done.put((path, time.perf_counter()))
             return
-        self._handed_off[path] = end
-        self._harvest()  # the call may have collected the previous save's result
+        self._called[path] = start
+        self._harvest([self.io.last_save])  # the call may have collected the previous save's result
 
-    def _harvest(self) -> None:
-        last = self.io.last_save
-        if last is not None and last.path in self._handed_off:
-            # last_save.seconds: from the job's submission to the writer until committed and durable;
-            # counted from the end of save_checkpoint, or from a later (deferred) submission
-            start = max(self._handed_off.pop(last.path), self._submitted.pop(last.path, 0.0))
-            self.done.put((last.path, start + last.seconds))
+    def _harvest(self, results: list[Any]) -> None:
+        for result in results:
+            start = self._called.pop(result.path, None) if result is not None else None
+            if start is not None:  # each save once (last_save and poll() may both report it)
+                self.done.put((result.path, start + result.seconds))
 
     def poll(self) -> list[tuple[str, float]]:
-        if self.asynchronous and self._handed_off:
-            # io.poll(): the saves that became durable since the last poll; never blocks
-            for result in self.io.poll():
-                start = self._handed_off.pop(result.path, None)
-                if start is not None:  # not already harvested from last_save
-                    self.done.put((result.path, max(start, self._submitted.pop(result.path, 0.0)) + result.seconds))
+        if self.asynchronous and self._called:
+            self._harvest(self.io.poll())  # never blocks
         return super().poll()
 
     def helper_pids(self) -> list[int]:
-        pid = self.io._worker.pid
+        pid = getattr(getattr(self.io, "_worker", None), "pid", None)  # the writer process, if started
         return [] if pid is None else [pid]
 
     def teardown(self) -> None:

@@ -8,8 +8,9 @@ blocks of causal attention + 4x MLP with RMSNorm, an LM head tied or not) with A
 on CUDA) on synthetic token batches made on the device; on CUDA the forward runs under bf16
 autocast. ``--params`` sizes it (GPT-3 aspect), or ``--layers`` / ``--width``.
 
-The loop runs 3 untimed steps, ``--warmup`` timed steps without saving (the baseline: their median
-step time), then saves. Saves are driven the way Lightning drives a ``CheckpointIO``: at the end of
+The loop runs 3 untimed steps and ``--warmup`` timed steps without saving, then saves. The
+*baseline* step time is the median of those warm-up steps and of every step outside a save's
+window. Saves are driven the way Lightning drives a ``CheckpointIO``: at the end of
 a step, after ``optimizer.step()`` (where ``ModelCheckpoint.on_train_batch_end`` saves), the dict
 ``Trainer.dump_checkpoint`` builds (``workloads.lightning_checkpoint``: ``state_dict``,
 ``optimizer_states``, ``global_step``, ...) goes to ``save_checkpoint(checkpoint, path)``. Every
@@ -214,7 +215,6 @@ def _train_run(task: Task) -> Metrics:
             train_step()
             sync()
             baseline.append(time.perf_counter() - start)
-        base = statistics.median(baseline)
         gpu_before = (
             {"peak": torch.cuda.max_memory_allocated(), "allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
             if cuda
@@ -304,6 +304,10 @@ def _train_run(task: Task) -> Metrics:
         del loaded, reference
     for record in saves:
         remove_path(record["path"])
+    # The baseline: the warm-up steps and every step outside any save's window (many steps, so a
+    # burst of noise on a shared machine moves it little); the figures above used only the warm-up.
+    baseline += [end - start for start, end, held, window in steps if held is None and window is None]
+    base = statistics.median(baseline)
     records = _save_records(saves[:n_saves], steps, base)
     first, steady = records[:1], records[1:]
 
@@ -316,6 +320,7 @@ def _train_run(task: Task) -> Metrics:
         "parameters": config.parameters(),
         "baseline_step_median_seconds": base,
         "baseline_step_p95_seconds": p95(baseline),
+        "baseline_steps": len(baseline),
         "tokens_per_second": batch * seq / base,
         "saves": len(records),
         "lost_first_seconds": first[0]["lost_seconds"] if first else None,
