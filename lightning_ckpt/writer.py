@@ -223,6 +223,8 @@ class ShardWriter:
                             time.sleep(ahead)
                 if direct:
                     os.ftruncate(fd, size)
+                if digest is not None:
+                    digest.hurry()  # a lagging hash catches up while fsync waits for the disk
                 os.fsync(fd)
                 drop_page_cache(fd)
             finally:
@@ -240,50 +242,68 @@ class _BackgroundDigest:
     The writer process runs beside training on the same cores. Hashing is its only real CPU work
     (the ``O_DIRECT`` writes are DMA), and the disk is slower than the hash, so the hash has the
     whole write to finish in: ``SCHED_IDLE`` lets it use only CPU time nothing else wants. If it
-    lags (every core busy), ``finish`` hashes the rest in the calling thread, at the process's own
-    priority: durability never waits on a starved thread for more than one piece.
+    lags (every core busy), ``hurry`` (once the bytes are written, before the fsync) hands the
+    rest to a thread at the writer's own priority, which hashes while the fsync waits for the
+    disk; ``finish`` does it in the caller if nobody did. Durability never waits on a starved
+    thread for more than one piece.
 
     The image is hashed in order, one ``_PIECE`` at a time under a lock (xxhash releases the GIL),
     so whichever thread holds the lock continues where the other stopped.
     """
 
-    _PIECE = 2**20  # the longest ``finish`` waits for the idle thread's current update
+    _PIECE = 2**20  # the longest a hand-over waits for the idle thread's current update
 
     def __init__(self, image: memoryview) -> None:
         self._image = image
         self._running = fmt.hasher()
         self._done = 0  # bytes hashed so far
-        self._stopped = False
+        self._idle_stop = False  # the idle thread stops at its next piece
+        self._cancelled = False
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="lightning_ckpt-hash", daemon=True)
+        self._helper: threading.Thread | None = None
+        self._thread = threading.Thread(target=self._run_idle, name="lightning_ckpt-hash", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def _run_idle(self) -> None:
         _lower_thread_priority()
         size = len(self._image)
         while True:
             with self._lock:
-                if self._stopped or self._done >= size:
+                if self._idle_stop or self._cancelled or self._done >= size:
                     return
                 end = min(self._done + self._PIECE, size)
                 self._running.update(self._image[self._done : end])
                 self._done = end
 
-    def finish(self) -> str:
-        """The image's hex digest (hashing what the thread has not reached yet)."""
+    def _take_over(self) -> None:
+        self._idle_stop = True
         with self._lock:
-            self._stopped = True
-            if self._done < len(self._image):
-                self._running.update(self._image[self._done :])
-                self._done = len(self._image)
+            size = len(self._image)
+            while self._done < size and not self._cancelled:
+                end = min(self._done + 64 * self._PIECE, size)
+                self._running.update(self._image[self._done : end])
+                self._done = end
+
+    def hurry(self) -> None:
+        """Hash what the idle thread has not reached in a thread at the caller's priority."""
+        if self._helper is None and self._done < len(self._image):
+            self._helper = threading.Thread(target=self._take_over, name="lightning_ckpt-hash-rest", daemon=True)
+            self._helper.start()
+
+    def finish(self) -> str:
+        """The image's hex digest, once every byte is hashed."""
+        if self._helper is not None:
+            self._helper.join()
+        self._take_over()  # whatever is left (nothing after a helper), here
         self._thread.join()
         return self._running.hexdigest()
 
     def cancel(self) -> None:
-        """Stop the thread (a failed write); no-op after ``finish``."""
-        with self._lock:
-            self._stopped = True
-        self._thread.join()
+        """Stop the threads (a failed write); no-op after ``finish``."""
+        self._cancelled = True
+        for thread in (self._thread, self._helper):
+            if thread is not None:
+                thread.join()
 
 
 def _lower_thread_priority() -> None:

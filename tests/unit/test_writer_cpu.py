@@ -32,7 +32,7 @@ def test_background_digest_finish_hashes_what_the_thread_has_not_reached(monkeyp
     size = 5 * writer._BackgroundDigest._PIECE + 3
     buffer = _image(size)
     gate = threading.Event()
-    monkeypatch.setattr(writer, "_lower_thread_priority", gate.wait)
+    monkeypatch.setattr(writer, "_lower_thread_priority", gate.wait)  # holds the idle thread
     digest = writer._BackgroundDigest(memoryview(buffer)[:size])
     finisher = threading.Thread(target=lambda: result.append(digest.finish()))
     result: list[str] = []
@@ -83,3 +83,17 @@ def test_wait_exit_returns_the_exit_code_and_times_out():
     finally:
         slow.kill()
         slow.wait()
+
+
+def test_background_digest_hurry_hashes_the_rest_while_the_idle_thread_is_starved(monkeypatch):
+    size = 3 * writer._BackgroundDigest._PIECE + 5
+    buffer = _image(size)
+    gate = threading.Event()
+    monkeypatch.setattr(writer, "_lower_thread_priority", gate.wait)  # holds the idle thread
+    digest = writer._BackgroundDigest(memoryview(buffer)[:size])
+    digest.hurry()
+    assert digest._helper is not None
+    digest._helper.join()
+    assert digest._done == size  # hashed by the helper alone, the idle thread still held
+    gate.set()
+    assert digest.finish() == fmt.digest(memoryview(buffer)[:size])
