@@ -35,6 +35,10 @@ class Contender:
     def save(self, checkpoint: dict[str, Any], path: str) -> None:
         raise NotImplementedError
 
+    def prepare(self, nbytes: int, on_device: bool) -> None:
+        """Called once after the first training step, before any save, with the state's size (what
+        ``ShardedModelCheckpoint`` tells its plugin after the first optimizer step)."""
+
     def before_update(self) -> None:
         """Called by the loop right before it updates the state (``optimizer.step``) after a save:
         a contender whose snapshot may still be in progress waits for it here."""
@@ -286,11 +290,17 @@ class Sharded(Contender):
         self.io = ShardedCheckpointIO(async_save=asynchronous, max_write_rate=max_write_rate)
         self._called: dict[str, float] = {}  # path -> perf_counter when its save call started
 
+    def prepare(self, nbytes: int, on_device: bool) -> None:
+        self.io.prepare_staging(nbytes, on_device)
+
     def save(self, checkpoint: dict[str, Any], path: str) -> None:
+        # As ShardedModelCheckpoint saves between two training steps: the device copies of the
+        # optimizer's parameters and state may overlap the next forward and backward.
         path = os.path.abspath(path)
         self.in_flight.add(path)
         start = time.perf_counter()
-        self.io.save_checkpoint(checkpoint, path)
+        with self.io.overlapping():
+            self.io.save_checkpoint(checkpoint, path)
         if not self.asynchronous:
             self.done.put((path, time.perf_counter()))
             return

@@ -14,7 +14,10 @@ window. Saves are driven the way Lightning drives a ``CheckpointIO``: at the end
 a step, after ``optimizer.step()`` (where ``ModelCheckpoint.on_train_batch_end`` saves), the dict
 ``Trainer.dump_checkpoint`` builds (``workloads.lightning_checkpoint``: ``state_dict``,
 ``optimizer_states``, ``global_step``, ...) goes to ``save_checkpoint(checkpoint, path)``. Every
-step ends with ``torch.cuda.synchronize()`` on CUDA, so a step's time includes its device work.
+step ends by synchronising the training stream on CUDA, so a step's time includes its device work
+and every wait a save puts on it (not side-stream copies running beside it). The async
+``ShardedCheckpointIO`` is driven as ``ShardedModelCheckpoint`` drives it: its staging pool is
+prepared after the first step, and saves between steps may overlap their copies.
 
 Per save, its *window*: the step holding the save, the steps that started while it was not yet
 durable, and ``--window`` more steps. A save is due ``--every`` steps after the previous one, and
@@ -160,6 +163,11 @@ def _compare(loaded: dict[str, Any], expected: dict[str, torch.Tensor], global_s
     return {"bit_exact": not mismatches, "verified_tensors": len(expected), "mismatches": mismatches[:10]}
 
 
+def _state_size(checkpoint: dict[str, Any]) -> tuple[int, bool]:
+    tensors = list(_flat_tensors(checkpoint).values())
+    return sum(t.nbytes for t in tensors), any(t.is_cuda for t in tensors)
+
+
 def _train_run(task: Task) -> Metrics:
     device = torch.device(task["device"])
     cuda = device.type == "cuda"
@@ -176,8 +184,10 @@ def _train_run(task: Task) -> Metrics:
     global_step = 0
 
     def sync() -> None:
+        # The training stream only: a contender's side-stream copies count where the training
+        # stream waits for them, not while they overlap its work.
         if cuda:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
 
     def train_step() -> None:
         nonlocal global_step
@@ -205,6 +215,9 @@ def _train_run(task: Task) -> Metrics:
     try:
         for _ in range(_UNTIMED_WARMUP):
             train_step()
+            if global_step == 1:  # the optimizer state exists now
+                nbytes, on_device = _state_size(lightning_checkpoint(model, optimizer, global_step))
+                contender.prepare(nbytes, on_device)
         sync()
         gc.collect()
         if cuda:
