@@ -399,19 +399,14 @@ def _serve(sock: socket.socket) -> None:
 
 
 def _lower_priority() -> None:
-    """Leave the CPU to training when both want it: nice 5, and ``SCHED_BATCH``, so that this
-    process's frequent wake-ups (one per write completing) do not preempt a training thread.
-    Threads started later inherit both; the hashing thread goes further (``SCHED_IDLE``, see
-    ``writer._BackgroundDigest``)."""
+    """Leave the CPU to training when both want it: nice 5 for the process; its hashing thread
+    goes further (``SCHED_IDLE``, see ``writer._BackgroundDigest``). The writing thread keeps its
+    wake-up preemption (not ``SCHED_BATCH``): it runs for microseconds per write, and a late
+    wake-up leaves the disk idle between two synchronous ``O_DIRECT`` writes."""
     try:
         os.nice(5)
     except OSError:
         pass
-    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH"):
-        try:
-            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-        except OSError:
-            pass
 
 
 def main(argv: list[str] | None = None) -> int:
