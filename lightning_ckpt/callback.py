@@ -250,7 +250,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         interval = self._train_time_interval
-        if not self._staging_prepared:
+        if not self._staging_prepared and trainer.global_step > 0:
             self._staging_prepared = True  # after the first optimizer step: its state exists now
             _prepare_staging(trainer, pl_module)
         with self._save_step(trainer), self._between_steps(trainer):
