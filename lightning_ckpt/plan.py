@@ -19,7 +19,7 @@ import io
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -58,6 +58,20 @@ def parse_size(value: int | str, argument: str = "max_shard_size") -> int:
     return number
 
 
+def _reduce_by_fields(self: Any) -> tuple[Any, tuple[Any, ...]]:
+    """Pickle a frozen slots dataclass as its constructor call: dataclasses' own ``__getstate__``
+    looks its fields up per object, which was most of the time spent pickling a plan (every save
+    sends one to the writer process)."""
+    cls = type(self)
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))
+    return cls, tuple(getattr(self, name) for name in names)
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 @dataclass(frozen=True, slots=True)
 class Blob:
     """A contiguous run of bytes stored under ``name`` in one shard file.
@@ -72,6 +86,8 @@ class Blob:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
+
+    __reduce__ = _reduce_by_fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +108,8 @@ class TensorSpec:
     stride: tuple[int, ...] | None = None
     requires_grad: bool = False
     parameter: bool = False
+
+    __reduce__ = _reduce_by_fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +135,11 @@ class Plan:
 
     def without_data(self) -> Plan:
         """The same plan with no tensors and no tree: small, picklable, for the writer process."""
-        shards = tuple(replace(s, blobs=tuple(replace(b, source=None) for b in s.blobs)) for s in self.shards)
-        return replace(self, tree=None, shards=shards)
+        shards = tuple(
+            Shard(s.component, s.filename, tuple(Blob(b.component, b.name, None, b.dtype, b.shape, b.nbytes) for b in s.blobs))
+            for s in self.shards
+        )
+        return Plan(None, self.tensors, shards, self.components)
 
 
 # ----------------------------------------------------------------------------------------------
