@@ -29,6 +29,7 @@ import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ from lightning_ckpt.plan import Blob, Plan, Shard
 ALIGN = 4096
 PIN_CHUNK = 256 * 2**20  # bytes page-locked per cudaHostRegister call (a multiple of ALIGN)
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in, writable, without touching them
+_POPULATE_THREADS = min(4, max(2, (os.cpu_count() or 2) // 2))
 
 
 def aligned(n: int) -> int:
@@ -112,11 +114,20 @@ class _Preparer:
         self._thread.start()
 
     def _run(self, view: torch.Tensor, address: int, nbytes: int) -> None:
+        # Faulting pages in is the slow part and scales with threads (1.7 -> 3.2 GB/s with 2 on a
+        # 2-vCPU VM); registration follows in order, so ``ready`` is always a prefix.
+        starts = deque(range(0, nbytes, PIN_CHUNK))
+        populating: deque[Future[None]] = deque()
         offset = 0
+        executor = ThreadPoolExecutor(_POPULATE_THREADS, thread_name_prefix="lightning_ckpt-fault")
         try:
             while offset < nbytes and not self._stop:
+                while starts and len(populating) < 2 * _POPULATE_THREADS:
+                    start = starts.popleft()
+                    size = min(PIN_CHUNK, nbytes - start)
+                    populating.append(executor.submit(_populate, view[start : start + size], address + start, size))
+                populating.popleft().result()
                 n = min(PIN_CHUNK, nbytes - offset)
-                _populate(view[offset : offset + n], address + offset, n)
                 if self.pin and not self.failed:
                     if int(torch.cuda.cudart().cudaHostRegister(address + offset, n, 0)) == 0:
                         self._chunks.append(address + offset)
@@ -127,6 +138,7 @@ class _Preparer:
                     self.ready = offset
                     self._cond.notify_all()
         finally:
+            executor.shutdown(wait=True, cancel_futures=True)  # no thread writes after this
             with self._cond:
                 self.ready = nbytes  # done, stopped or failed: nobody waits any longer
                 self._cond.notify_all()
