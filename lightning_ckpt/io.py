@@ -501,15 +501,17 @@ class ShardedCheckpointIO(CheckpointIO):
             raise error
 
     def prepare_staging(self, nbytes: int, on_device: bool) -> None:
-        """Async mode: allocate the staging pool for a state of about ``nbytes`` now and fault it
-        in (and page-lock it, ``on_device``) in the background, so the first save neither waits
-        for that nor stalls on it. A later, larger state still grows the pool at its save."""
+        """Async mode: start the writer process, and allocate the staging pool for a state of
+        about ``nbytes`` now and fault it in (and page-lock it, ``on_device``) in the background,
+        so the first save neither waits for that nor stalls on it. A later, larger state still
+        grows the pool at its save."""
         if not self.async_save:
             return
         wanted = int(nbytes * _STAGING_HEADROOM) + _STAGING_SLACK  # headers, 4 KiB alignment, growth
         if self._pool.max_bytes is not None:
             wanted = min(wanted, self._pool.max_bytes)
         with self._lock:
+            self._worker.ensure_started()  # its imports (seconds of CPU) run now, not in the first save
             if self._pending is None and not self._worker.busy:  # never under a save in flight
                 self._pool.reserve(wanted, pin=on_device)
 
