@@ -61,7 +61,9 @@ def test_bench_train_cpu_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         assert metrics["gpu_peak_delta_mb"] is None and metrics["peak_rss_mb"] is not None
         assert [s["index"] for s in run["per_save"]] == [1, 2]
         for record in run["per_save"]:
-            assert record["durable_seconds"] >= record["call_seconds"] * 0.999, (name, record)
+            # durable is stamped inside the contender's save, the call's end outside it: a sync
+            # save's two clocks readings may differ by microseconds either way
+            assert record["durable_seconds"] >= record["call_seconds"] - 1e-3, (name, record)
             assert record["window_steps"] >= 2  # the save's step, and at least --window 1 more
             assert len(record["post_steps"]) == record["window_steps"] - 1
         assert any(tag == "S1" for _, _, tag in run["step_trace"])
