@@ -38,7 +38,7 @@ def test_bench_async_cuda_tiny(tmp_path: Path) -> None:
         (run,) = entry["runs"]
         assert run["metrics"]["cuda_peak_extra_mb"] is not None
         for record in run["per_save"]:
-            assert record["durable_seconds"] >= record["call_seconds"] * 0.999, (name, record)
+            assert record["durable_seconds"] >= record["call_seconds"] - 1e-3, (name, record)  # two clocks readings
         # the loop steps after every save but (for a save durable when its call returns) the last
         assert all(record["next_step_seconds"] is not None for record in run["per_save"][:-1]), name
         assert run["helpers_alive_after_teardown"] == []

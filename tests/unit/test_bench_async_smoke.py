@@ -59,7 +59,7 @@ def test_bench_async_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str
         assert [s["index"] for s in run["per_save"]] == [1, 2]
         for record in run["per_save"]:
             assert record["call_seconds"] > 0 and record["step_seconds"] >= record["call_seconds"]
-            assert record["durable_seconds"] >= record["call_seconds"] * 0.999, (name, record)
+            assert record["durable_seconds"] >= record["call_seconds"] - 1e-3, (name, record)  # two clocks readings
             assert math.isfinite(record["stall_seconds"]) and record["rss_mb"] > 0
         assert run["helpers_alive_after_teardown"] == []  # writer processes were torn down
         assert any(tag == "S1" for _, _, tag in run["step_trace"])

@@ -57,7 +57,7 @@ def test_bench_distributed_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixtu
         (run,) = entry["runs"]
         assert len(run["per_save"]) == 2 and all(len(save["per_rank"]) == 2 for save in run["per_save"])
         assert all(b > 0 for b in run["bytes_per_rank"]), name  # every rank wrote its shards
-        assert summary["durable_first_seconds"]["median"] >= summary["stall_first_seconds"]["median"] * 0.999
+        assert summary["durable_first_seconds"]["median"] >= summary["stall_first_seconds"]["median"] - 1e-3
     assert results["fsdp"]["sharded_async"]["summary"]["writer_peak_rss_mb"]["median"] > 0
 
     for name in ("dcp_stock", "sharded_sync"):
