@@ -264,7 +264,6 @@ class ShardedCheckpointIO(CheckpointIO):
         self._lock = threading.RLock()
         self._pending: Optional[_Pending] = None  # a save whose device copies are still landing
         self._action_errors: list[Exception] = []
-        self._started: dict[str, deque[float]] = {}  # path -> wall-clock starts of saves not yet durable
         self._copy_waits: OrderedDict[str, staging.Copies] = OrderedDict()  # path -> its latest save's copies
         self._refuse_next_removal = False
         self._staged: tuple[tuple[Any, ...], dict[str, tuple[int, int]]] | None = None
@@ -385,8 +384,7 @@ class ShardedCheckpointIO(CheckpointIO):
     ) -> int:
         pool = (self._pool.fd, self._pool.generation)
         payload = {**self._payload(prepared), "images": images, **({"chunked": True} if chunked else {})}
-        self._started.setdefault(path, deque()).append(started)
-        return self._worker.submit("save", path, payload, pool=pool)
+        return self._worker.submit("save", path, payload, pool=pool, submitted=started)
 
     def _stage_and_submit(
         self, prepared: _Prepared, path: str, fingerprint: tuple[Any, ...] | None, started: float
@@ -539,8 +537,7 @@ class ShardedCheckpointIO(CheckpointIO):
                 f"A shard of {largest} bytes does not fit `staging_pool_size` ({cap} bytes). Raise"
                 " `staging_pool_size` or lower `max_shard_size`."
             )
-        on_device = any(b.source is not None and b.source.is_cuda for s in prepared.plan.shards for b in s.blobs)
-        self._pool.reserve(cap, pin=on_device)
+        self._pool.reserve(cap, pin=staging.has_device_blobs(prepared.plan))
         ring = staging.Ring(cap)
         job_id: int | None = None
         try:
@@ -666,11 +663,7 @@ class ShardedCheckpointIO(CheckpointIO):
         results, self._worker.results = self._worker.results, []
         for r in results:
             # seconds: from the save call until the checkpoint was committed and durable
-            starts = self._started.get(r["path"])
-            started = starts.popleft() if starts else r["submitted"]
-            if starts is not None and not starts:
-                del self._started[r["path"]]
-            self.last_save = WriteResult(r["path"], r["nbytes"], r["durable_at"] - started, r["files"], r["direct_io"])
+            self.last_save = WriteResult(r["path"], r["nbytes"], r["durable_at"] - r["submitted"], r["files"], r["direct_io"])
             self._unpolled.append(self.last_save)
 
     def poll(self) -> list[WriteResult]:
@@ -689,7 +682,7 @@ class ShardedCheckpointIO(CheckpointIO):
         state["_lock"] = None
         state["_pending"] = state["_staged"] = None
         state["_action_errors"] = []
-        state["_started"], state["_copy_waits"] = {}, OrderedDict()
+        state["_copy_waits"] = OrderedDict()
         state["_writer"] = ShardWriter(self._writer.chunk_bytes, self._writer.direct_io)
         state["_pool"] = StagingPool(self._pool.max_bytes)
         state["_worker"] = WriterProcess(self._worker.config)

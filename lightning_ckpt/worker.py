@@ -69,7 +69,7 @@ def _recv(sock: socket.socket) -> tuple[Any, list[int]]:
 class _Job:
     kind: str
     path: str
-    submitted: float = field(default_factory=time.time)  # wall clock, comparable with the child's
+    submitted: float = field(default_factory=time.time)  # wall clock (comparable with the child's): when the save was asked for
 
 
 class WriterProcess:
@@ -121,9 +121,17 @@ class WriterProcess:
         if self._proc is None:
             self._start()
 
-    def submit(self, kind: str, path: str, payload: dict[str, Any], pool: tuple[int, int] | None = None) -> int:
+    def submit(
+        self,
+        kind: str,
+        path: str,
+        payload: dict[str, Any],
+        pool: tuple[int, int] | None = None,
+        submitted: float | None = None,
+    ) -> int:
         """Queue a job (``save`` or ``remove``); returns its id. ``pool`` is (fd, generation) of the
-        staging buffer."""
+        staging buffer; ``submitted`` the wall-clock time the save was asked for (default: now),
+        from which its result's ``durable_at`` is measured."""
         self.ensure_started()
         assert self._sock is not None
         fds = None
@@ -132,7 +140,7 @@ class WriterProcess:
             self._pool_generation = pool[1]
         job_id = self._next_id
         self._next_id += 1
-        self._jobs[job_id] = _Job(kind, path)
+        self._jobs[job_id] = _Job(kind, path) if submitted is None else _Job(kind, path, submitted)
         if kind == "save":
             self.last_save_id = job_id
         try:
