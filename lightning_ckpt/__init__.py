@@ -14,6 +14,7 @@ from lightning_ckpt.errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
     CorruptCheckpointError,
+    MissingDependencyError,
     UnsafeCheckpointError,
     UnsupportedFormatError,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointWriteError",
     "CorruptCheckpointError",
+    "MissingDependencyError",
     "ShardedCheckpointIO",
     "ShardedModelCheckpoint",
     "ShardedFSDPStrategy",

@@ -51,3 +51,7 @@ class UnsafeCheckpointError(CheckpointError):
 
 class CheckpointWriteError(CheckpointError):
     """A save failed. The target path was left as it was before the save (old checkpoint intact)."""
+
+
+class MissingDependencyError(CheckpointError, ImportError):
+    """A checkpoint URL needs an optional package that is not installed (the message names the extra)."""

@@ -12,6 +12,7 @@ from collections import OrderedDict, deque
 import json
 import os
 import secrets
+import shutil
 import sys
 import threading
 import time
@@ -29,6 +30,7 @@ from typing_extensions import override
 
 from lightning_ckpt import manifest as fmt
 from lightning_ckpt import reader
+from lightning_ckpt import remote
 from lightning_ckpt.errors import CheckpointNotFoundError, CheckpointWriteError
 from lightning_ckpt.plan import OPTIMIZER_COMPONENT, Blob, Plan, make_plan, parse_size
 from lightning_ckpt import staging
@@ -57,12 +59,19 @@ def _created_by() -> dict[str, str]:
 
 def _check_local(path: Any, argument: str) -> str:
     path = os.fspath(path)
-    if "://" in path and not path.startswith("file://"):
+    if remote.is_remote(path):
         raise ValueError(
-            f"`{argument}={path!r}` is a remote URL; ShardedCheckpointIO writes to local or mounted"
-            " filesystems only. Use a local path (or Lightning's TorchCheckpointIO for remote storage)."
+            f"`{argument}={path!r}` is a remote URL, which this function does not take. Checkpoints on object"
+            " storage are saved, loaded and removed through ShardedCheckpointIO or the functions that take"
+            " `storage_options`."
         )
     return path.removeprefix("file://")
+
+
+def _location(path: Any) -> str:
+    """A remote URL as it is; a local path made absolute (``file://`` dropped)."""
+    path = os.fspath(path)
+    return path if remote.is_remote(path) else os.path.abspath(path.removeprefix("file://"))
 
 
 @dataclass(frozen=True)
@@ -122,13 +131,29 @@ def save_checkpoint(
     path: str | os.PathLike[str],
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     *,
+    storage_options: dict[str, Any] | None = None,
     _writer: ShardWriter | None = None,
 ) -> WriteResult:
-    """Save ``checkpoint`` as a sharded, checksummed checkpoint directory at ``path`` (atomically)."""
+    """Save ``checkpoint`` as a sharded, checksummed checkpoint directory at ``path`` (atomically).
+
+    ``path`` may be an fsspec URL (``s3://bucket/run/x.ckpt``; ``storage_options`` go to its
+    filesystem): the checkpoint is committed in a temporary local folder, then published (see
+    ``remote.py``)."""
     prepared = _prepare(checkpoint, parse_size(max_shard_size))
     shard_writer = _writer or ShardWriter()
     try:
-        return _write(prepared, _check_local(path, "path"), shard_writer)
+        if not remote.is_remote(path):
+            return _write(prepared, _check_local(path, "path"), shard_writer)
+        url, options = os.fspath(path), remote.RemoteOptions(storage_options or {})
+        spool = remote.spool_dir()
+        local = os.path.join(spool, "checkpoint")
+        try:
+            result = _write(prepared, local, shard_writer)
+        except BaseException:
+            shutil.rmtree(spool, ignore_errors=True)
+            raise
+        published = remote.publish_committed(local, url, options, spool)
+        return WriteResult(url, published.nbytes, result.seconds + published.seconds, result.files, result.direct_io)
     finally:
         if _writer is None:
             shard_writer.close()
@@ -139,11 +164,14 @@ def load_checkpoint(
     map_location: reader.MapLocation = None,
     weights_only: bool | None = None,
     verify: bool = True,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint directory (or a legacy single-file ``.ckpt``) into the dict Lightning saved.
 
     Args:
-        path: a checkpoint directory written by lightning_ckpt, or a file written by ``torch.save``.
+        path: a checkpoint directory written by lightning_ckpt, or a file written by ``torch.save``,
+            or the fsspec URL of a checkpoint published by lightning_ckpt (downloaded shard by
+            shard into a temporary folder, every object verified on the way).
         map_location: where tensors go: ``None`` (CPU), a device, a ``{saved: new}`` dict, or a
             ``torch.load``-style callable. CPU tensors are copy-on-write memory maps of the shards.
         weights_only: ``None``/``True`` refuse values that would need arbitrary unpickling (with a
@@ -153,7 +181,10 @@ def load_checkpoint(
             brings it into the page cache for the copy that follows, so it costs the hashing only
             (see docs/benchmarks.md). ``False`` opts out: presence, sizes and the metadata's digest
             are still checked. Legacy single-file checkpoints carry no checksums.
+        storage_options: for a URL, passed to its fsspec filesystem (credentials, endpoint).
     """
+    if remote.is_remote(path):
+        return _load_remote(os.fspath(path), remote.RemoteOptions(storage_options or {}), map_location, weights_only, verify)
     path = _check_local(path, "path")
     if os.path.isdir(path):
         from lightning_ckpt import legacy_dcp
@@ -166,10 +197,23 @@ def load_checkpoint(
     return reader.load_legacy(path, map_location, weights_only)
 
 
-def verify_checkpoint(path: str | os.PathLike[str]) -> fmt.Manifest:
+def _load_remote(
+    url: str, options: remote.RemoteOptions, map_location: reader.MapLocation, weights_only: bool | None, verify: bool
+) -> dict[str, Any]:
+    local, done = remote.local_copy_for_load(url, options)
+    try:
+        return reader.load(local, map_location, weights_only, verify_checksums=bool(verify))
+    finally:
+        done()
+
+
+def verify_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> fmt.Manifest:
     """Fully verify a checkpoint directory (manifest, sizes, every digest); raise naming the damaged file.
 
-    Reads with ``O_DIRECT`` where possible: checking a checkpoint leaves the page cache as it was."""
+    Reads with ``O_DIRECT`` where possible: checking a checkpoint leaves the page cache as it was.
+    A URL's objects are streamed and hashed, nothing stored locally."""
+    if remote.is_remote(path):
+        return remote.verify(os.fspath(path), remote.RemoteOptions(storage_options or {}))
     return reader.verify(_check_local(path, "path"))
 
 
@@ -215,6 +259,19 @@ class ShardedCheckpointIO(CheckpointIO):
             ``overlapping``). Pass ``False`` if something changes parameters in place outside
             ``optimizer.step()`` between two steps; the training stream then waits for the copies
             right after the save.
+        storage_options: for ``s3://`` and other fsspec URLs: passed to the filesystem
+            (credentials, ``endpoint_url`` under ``client_kwargs`` ...). Any path Lightning hands
+            over may be such a URL; ``s3fs`` comes with ``pip install 'lightning-ckpt[s3]'``.
+        local_dir: remote checkpoints only: the local tier. Each save is committed under this
+            folder at local-disk speed (safe against a process crash at once), then uploaded in
+            the background (synchronous mode: the call returns after the local commit); loads use
+            the local copy when it is the newest. ``None``: each save is committed in a temporary
+            folder and uploaded before it counts as done.
+        local_keep: how many published checkpoints the local tier keeps per folder (one not
+            yet uploaded is never removed).
+        upload_part_size: size of each part of a multipart upload (and of each read of a
+            download); memory for uploads is about ``upload_concurrency`` times this.
+        upload_concurrency: objects uploaded or downloaded at once.
 
     Call order and ranks: Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0
     only, ``load_checkpoint`` and ``teardown`` on every rank; none of them runs a collective.
@@ -234,8 +291,30 @@ class ShardedCheckpointIO(CheckpointIO):
         part_timeout: float = writer.DEFAULT_PART_TIMEOUT,
         spread_writes: Optional[bool] = None,
         overlap_copies: bool = True,
+        storage_options: Optional[dict[str, Any]] = None,
+        local_dir: Optional[str | os.PathLike[str]] = None,
+        local_keep: int = 1,
+        upload_part_size: int | str = "64MiB",
+        upload_concurrency: int = remote.DEFAULT_CONCURRENCY,
     ) -> None:
         super().__init__()
+        if isinstance(local_keep, bool) or not isinstance(local_keep, int) or local_keep < 1:
+            raise ValueError(f"`local_keep={local_keep!r}` must be an int >= 1.")
+        if isinstance(upload_concurrency, bool) or not isinstance(upload_concurrency, int) or upload_concurrency < 1:
+            raise ValueError(f"`upload_concurrency={upload_concurrency!r}` must be an int >= 1.")
+        part_size = parse_size(upload_part_size, "upload_part_size")
+        if part_size < 5 * 2**20:
+            raise ValueError(f"`upload_part_size={upload_part_size!r}` is below 5 MiB, the smallest part S3 accepts.")
+        if local_dir is not None and remote.is_remote(local_dir):
+            raise ValueError(f"`local_dir={local_dir!r}` must be a local folder (it is the fast tier in front of the remote).")
+        self.remote = remote.RemoteOptions(
+            dict(storage_options or {}),
+            part_size,
+            upload_concurrency,
+            None if local_dir is None else os.path.abspath(os.fspath(local_dir)),
+            local_keep,
+        )
+        self._uploader = remote.Uploader()
         self.max_shard_size = parse_size(max_shard_size, "max_shard_size")
         if verify_on_load not in _VERIFY_MODES:
             raise ValueError(f"`verify_on_load={verify_on_load!r}` must be one of {_VERIFY_MODES}.")
@@ -259,7 +338,7 @@ class ShardedCheckpointIO(CheckpointIO):
         self._pool = StagingPool(pool_cap)
         rate = None if max_write_rate is None else parse_size(max_write_rate, "max_write_rate")
         self._worker = WriterProcess(
-            {"chunk_bytes": self._writer.chunk_bytes, "direct_io": direct_io, "max_write_rate": rate}
+            {"chunk_bytes": self._writer.chunk_bytes, "direct_io": direct_io, "max_write_rate": rate, "remote": self.remote}
         )
         self._lock = threading.RLock()
         self._pending: Optional[_Pending] = None  # a save whose device copies are still landing
@@ -283,16 +362,18 @@ class ShardedCheckpointIO(CheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
-        """Write ``checkpoint`` to the directory ``path``.
+        """Write ``checkpoint`` to the directory (or fsspec URL) ``path``.
 
-        Synchronous mode returns once it is durable and committed; async mode once it is staged.
+        Synchronous mode returns once it is durable and committed (remote: published; with
+        ``local_dir``, committed locally and uploading); async mode once it is staged.
         """
         if storage_options is not None:
             raise TypeError(
                 "`Trainer.save_checkpoint(..., storage_options=...)` is not supported by ShardedCheckpointIO;"
-                f" got storage_options={storage_options!r}. Remove the argument."
+                f" got storage_options={storage_options!r}. Pass them once as"
+                " `ShardedCheckpointIO(storage_options=...)` instead."
             )
-        path = os.path.abspath(_check_local(path, "path"))
+        path = _location(path)
         self._save(path, lambda: _prepare(checkpoint, self.max_shard_size))
 
     def save_sharded(
@@ -310,11 +391,17 @@ class ShardedCheckpointIO(CheckpointIO):
         """
         from lightning_ckpt.distributed import plan_part
 
-        path = os.path.abspath(_check_local(path, "path"))
+        path = _location(path)
+        if remote.is_remote(path) and self.remote.local_dir is None:
+            raise ValueError(
+                f"Saving {path!r} from every rank needs `ShardedCheckpointIO(local_dir=...)` on a folder all ranks"
+                " share (the ranks write their parts there; rank 0 uploads the committed checkpoint). For DDP,"
+                " `spread_writes=False` saves from rank 0 alone instead."
+            )
         if self._part_token is None:
             self._part_token = broadcast(secrets.token_hex(8))
         self._part_number += 1
-        folder = writer.part_folder(path, self._part_token, self._part_number)
+        folder = writer.part_folder(self._local_target(path)[0], self._part_token, self._part_number)
 
         def prepare() -> _Prepared:
             planned = plan_part(checkpoint, rank, world_size, self.max_shard_size)
@@ -331,12 +418,22 @@ class ShardedCheckpointIO(CheckpointIO):
         if self._part_token is None:
             self._part_token = token
 
+    def _local_target(self, path: str) -> tuple[str, str | None]:
+        """(the local directory a save of ``path`` is committed in, the temporary folder holding it
+        or ``None``): ``path`` itself when local; for a URL its local-tier copy, or a spool."""
+        if not remote.is_remote(path):
+            return path, None
+        if self.remote.local_dir is not None:
+            return self.remote.local_path(path), None
+        spool = remote.spool_dir()
+        return os.path.join(spool, "checkpoint"), spool
+
     def _save(self, path: str, prepare: Callable[[], _Prepared], can_skip: bool = True) -> None:
         with self._lock:
             start, started = time.perf_counter(), time.time()
+            self._raise_upload_errors()
             if not self.async_save:
-                self.last_save = _write(prepare(), path, self._writer)
-                self.last_stall_seconds = time.perf_counter() - start
+                self._save_now(path, prepare(), start)
                 return
             self._worker.ensure_started()  # detects a dead writer (its error is reported next)
             self._report(self._worker.take_errors())
@@ -369,6 +466,34 @@ class ShardedCheckpointIO(CheckpointIO):
             self._stage_and_submit(prepared, path, fingerprint, started)
             self.last_stall_seconds = time.perf_counter() - start
 
+    def _save_now(self, path: str, prepared: _Prepared, start: float) -> None:
+        """A synchronous save; of a URL: committed locally, then published (here, or in the
+        background with a local tier). Multi-rank: rank 0 publishes once it committed the whole."""
+        local, spool = self._local_target(path)
+        try:
+            result = _write(prepared, local, self._writer)
+        except BaseException:
+            if spool is not None:
+                shutil.rmtree(spool, ignore_errors=True)
+            raise
+        publishes = local != path and (prepared.part is None or prepared.part.rank == 0)
+        if publishes and spool is not None:
+            published = remote.publish_committed(local, path, self.remote, spool)
+            result = WriteResult(path, published.nbytes, time.perf_counter() - start, result.files, result.direct_io)
+        elif publishes:
+            self._uploader.publish(lambda: remote.publish_committed(local, path, self.remote, None))
+            result = WriteResult(path, result.nbytes, result.seconds, result.files, result.direct_io)
+        self.last_save = result
+        self.last_stall_seconds = time.perf_counter() - start
+
+    def _raise_upload_errors(self) -> None:
+        """What a background upload (local tier, synchronous mode) raised, per ``on_error``."""
+        errors = self._uploader.take_errors()
+        for error in errors:
+            if not isinstance(error, CheckpointWriteError):
+                raise error
+        self._report(errors)  # type: ignore[arg-type]
+
     def _payload(self, prepared: _Prepared) -> dict[str, Any]:
         return {
             "plan": prepared.plan.without_data(),
@@ -384,6 +509,8 @@ class ShardedCheckpointIO(CheckpointIO):
     ) -> int:
         pool = (self._pool.fd, self._pool.generation)
         payload = {**self._payload(prepared), "images": images, **({"chunked": True} if chunked else {})}
+        if remote.is_remote(path):  # the writer commits it locally, then publishes it
+            payload["local"], payload["spool"] = self._local_target(path)
         return self._worker.submit("save", path, payload, pool=pool, submitted=started)
 
     def _stage_and_submit(
@@ -517,7 +644,7 @@ class ShardedCheckpointIO(CheckpointIO):
         """How long the training stream idled (GPU time) for the device copies of the latest async
         save to ``path``: a cost of that save beyond its call. ``None`` until known; 0 for a save
         that queued no device copy of its own."""
-        copies = self._copy_waits.get(os.path.abspath(os.fspath(path)))
+        copies = self._copy_waits.get(_location(path))
         return 0.0 if copies is None else copies.waited_seconds()
 
     def _stage_in_chunks(
@@ -582,6 +709,9 @@ class ShardedCheckpointIO(CheckpointIO):
             with self._lock:
                 self._drain(block=True)
                 self._worker.wait()
+        if remote.is_remote(path):
+            self._uploader.wait()
+            return _load_remote(os.fspath(path), self.remote, map_location, weights_only, self.verify_on_load == "full")
         return load_checkpoint(path, map_location, weights_only, verify=self.verify_on_load == "full")
 
     @override
@@ -591,7 +721,7 @@ class ShardedCheckpointIO(CheckpointIO):
         In async mode the removal is queued behind the saves in flight: a checkpoint is only
         removed once the one replacing it is committed.
         """
-        path = os.path.abspath(_check_local(path, "path"))
+        path = _location(path)
         with self._lock:
             self._then(lambda: self._remove(path))  # after the save replacing it is handed off
 
@@ -609,6 +739,12 @@ class ShardedCheckpointIO(CheckpointIO):
                 if self._worker.busy:  # runs after that save, and only if it committed
                     self._worker.submit("remove", path, {"after": replacing})
                     return
+            if remote.is_remote(path):
+                if self.remote.local_dir is not None and not self.async_save:  # behind the uploads
+                    self._uploader.remove(path, lambda: remote.remove_everywhere(path, self.remote))
+                else:
+                    remote.remove_everywhere(path, self.remote)
+                return
         remove_checkpoint(path)
 
     def wait(self) -> None:
@@ -618,6 +754,8 @@ class ShardedCheckpointIO(CheckpointIO):
             self._worker.wait()
             self._report(self._worker.take_errors())
             self._raise_action_errors()
+            self._uploader.wait()
+            self._raise_upload_errors()
 
     @override
     def teardown(self) -> None:
@@ -627,6 +765,8 @@ class ShardedCheckpointIO(CheckpointIO):
                 self._drain(block=True)
                 self._worker.stop()
                 self._report(self._worker.take_errors())
+                self._uploader.wait()
+                self._raise_upload_errors()
             finally:
                 self._staged = None
                 self._release_pool()
@@ -665,6 +805,9 @@ class ShardedCheckpointIO(CheckpointIO):
             # seconds: from the save call until the checkpoint was committed and durable
             self.last_save = WriteResult(r["path"], r["nbytes"], r["durable_at"] - r["submitted"], r["files"], r["direct_io"])
             self._unpolled.append(self.last_save)
+        published, self._uploader.results = self._uploader.results, []
+        for done in published:  # local tier, synchronous mode: uploaded in the background
+            self._unpolled.append(WriteResult(done.url, done.nbytes, done.seconds, done.files, False))
 
     def poll(self) -> list[WriteResult]:
         """Async saves that became durable since the last ``poll`` (never blocks, raises nothing:
@@ -686,6 +829,7 @@ class ShardedCheckpointIO(CheckpointIO):
         state["_writer"] = ShardWriter(self._writer.chunk_bytes, self._writer.direct_io)
         state["_pool"] = StagingPool(self._pool.max_bytes)
         state["_worker"] = WriterProcess(self._worker.config)
+        state["_uploader"] = remote.Uploader()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -750,15 +894,21 @@ def _finish_in_flight_saves() -> None:
         try:
             io._drain(block=True)  # a save still waiting for its device copies
             io._worker.stop()
+            io._uploader.wait()
+            for upload_error in io._uploader.take_errors():
+                warnings.warn(str(upload_error), stacklevel=1)
             for error in io._worker.take_errors():
                 warnings.warn(str(error), stacklevel=1)
         except Exception:  # exiting anyway; the next run cleans any temporary directory
             io._worker.kill()
 
 
-def remove_checkpoint(path: str | os.PathLike[str]) -> None:
-    """Remove a checkpoint directory (or legacy file). Refuses directories that are not checkpoints;
-    an interrupted removal never leaves a half-deleted checkpoint under its real name."""
+def remove_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> None:
+    """Remove a checkpoint directory (or legacy file, or remote checkpoint). Refuses directories that
+    are not checkpoints; an interrupted removal never leaves a half-deleted checkpoint under its real name."""
+    if remote.is_remote(path):
+        remote.remove(os.fspath(path), remote.RemoteOptions(storage_options or {}))
+        return
     writer.remove_checkpoint(os.path.abspath(_check_local(path, "path")))
 
 

@@ -15,10 +15,12 @@ Nothing here imports Lightning.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import pickle
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -343,9 +345,11 @@ class _StagedImages:
 
 
 def _serve(sock: socket.socket) -> None:
+    from lightning_ckpt import remote
     from lightning_ckpt.writer import ShardWriter, remove_checkpoint, write_checkpoint
 
     writer: ShardWriter | None = None
+    options = remote.RemoteOptions()
     pool: mmap.mmap | None = None
     backlog: deque[tuple[dict[str, Any], list[int]]] = deque()
     failed: set[int] = set()  # save jobs that failed: removals waiting on them are skipped
@@ -362,6 +366,7 @@ def _serve(sock: socket.socket) -> None:
         kind = message["kind"]
         if kind == "config":
             writer = ShardWriter(message["chunk_bytes"], message["direct_io"], message.get("max_write_rate"))
+            options = message.get("remote") or options
             continue
         if kind == "stop":
             return
@@ -372,17 +377,27 @@ def _serve(sock: socket.socket) -> None:
             if kind == "save":
                 assert writer is not None and pool is not None
                 started = time.perf_counter()
-                result = write_checkpoint(
-                    message["plan"],
-                    message["path"],
-                    writer,
-                    metadata=message["metadata"],
-                    created_by=message["created_by"],
-                    global_step=message["global_step"],
-                    epoch=message["epoch"],
-                    images=_StagedImages(sock, pool, message, backlog),
-                    part=message.get("part"),
-                )
+                local, spool = message.get("local"), message.get("spool")  # a URL: committed here first
+                try:
+                    result = write_checkpoint(
+                        message["plan"],
+                        local or message["path"],
+                        writer,
+                        metadata=message["metadata"],
+                        created_by=message["created_by"],
+                        global_step=message["global_step"],
+                        epoch=message["epoch"],
+                        images=_StagedImages(sock, pool, message, backlog),
+                        part=message.get("part"),
+                    )
+                except BaseException:
+                    if spool is not None:
+                        shutil.rmtree(spool, ignore_errors=True)
+                    raise
+                part = message.get("part")
+                if local is not None and (part is None or part.rank == 0):  # then durable when published
+                    published = remote.publish_committed(local, message["path"], options, spool)
+                    result = dataclasses.replace(result, nbytes=published.nbytes)
                 reply["result"] = {
                     "nbytes": result.nbytes,
                     "write_seconds": time.perf_counter() - started,
@@ -393,6 +408,8 @@ def _serve(sock: socket.socket) -> None:
             elif kind == "remove":
                 if message.get("after") in failed:
                     reply["status"] = "kept"  # the checkpoint meant to replace it was not committed
+                elif remote.is_remote(message["path"]):
+                    remote.remove_everywhere(message["path"], options)
                 else:
                     remove_checkpoint(message["path"])
             else:

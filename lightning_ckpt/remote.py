@@ -1,0 +1,673 @@
+"""Checkpoints on object storage and every other fsspec filesystem (``s3://``, ``gs://``, ``memory://`` ...).
+
+A save is committed on the local disk first (the ordinary atomic directory of ``writer.py``), then
+published. Object stores have no rename, so a remote checkpoint is a folder of immutable
+*generations* and one small pointer object, ``CURRENT``, that names the committed one::
+
+    s3://bucket/run/epoch=0-step=500.ckpt/
+        CURRENT                         # {"format", "version", "generation", "manifest": {size, digest}}
+        gen-1795412345678-1a2b3c4d/     # a complete checkpoint directory, exactly as on local disk
+            manifest.json
+            metadata.json
+            model-00001-of-00001.safetensors
+            ...
+
+Publishing uploads every file of a new generation (in parallel, each streamed in parts of
+``part_size`` and its digest recomputed on the way and checked against the manifest), then the
+generation's manifest, then ``CURRENT``. That one PUT, atomic on object stores, is the commit.
+Only after it are older generations deleted. Invariants:
+
+* ``CURRENT`` never names a generation that is not whole: a reader sees the previous checkpoint
+  or the new one, never a mix, and replacing ``last.ckpt`` never leaves it unloadable.
+* Every generation that ``CURRENT`` does not name is garbage. A failed upload deletes its own; one
+  killed mid-way is deleted, with its unfinished multipart uploads, by the next save into the
+  same folder from a later process (``clean_orphans``).
+* One process publishes into a folder at a time (the writer of the run), as for local saves.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import queue
+import re
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+from fsspec.spec import AbstractFileSystem
+
+from lightning_ckpt import manifest as fmt
+from lightning_ckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    MissingDependencyError,
+)
+
+CURRENT_FILE = "CURRENT"
+POINTER_FORMAT = "lightning_ckpt.pointer"
+POINTER_VERSION = 1
+_GENERATION = re.compile(r"gen-(\d{13})-[0-9a-f]{8}")
+DEFAULT_PART_SIZE = 64 * 2**20  # S3 allows 5 MiB to 5 GiB per part and 10,000 parts per object
+DEFAULT_CONCURRENCY = 8  # objects uploaded or downloaded at once
+_ATTEMPTS = 4  # per object, on top of the client's own retries; backoff 0.5, 1, 2 s
+_LOCAL_PROTOCOLS = ("file", "local")
+# The extra of this package that installs each protocol's fsspec implementation.
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
+_PROCESS_STARTED_MS = int(time.time() * 1000)
+
+
+def is_remote(path: Any) -> bool:
+    """Whether ``path`` is an fsspec URL of a non-local filesystem (``file://`` is local)."""
+    text = path if isinstance(path, str) else os.fspath(path) if isinstance(path, os.PathLike) else None
+    return text is not None and "://" in text and fsspec.utils.get_protocol(text) not in _LOCAL_PROTOCOLS
+
+
+@dataclass(frozen=True)
+class RemoteOptions:
+    """How remote checkpoints are written and read (picklable: the writer process gets a copy).
+
+    ``local_dir``: the local tier (each save is committed there first and kept, up to
+    ``local_keep`` published checkpoints); ``None`` spools each save through a temporary folder.
+    """
+
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    part_size: int = DEFAULT_PART_SIZE
+    concurrency: int = DEFAULT_CONCURRENCY
+    local_dir: str | None = None
+    local_keep: int = 1
+
+    def filesystem(self, url: str) -> tuple[AbstractFileSystem, str]:
+        """The fsspec filesystem of ``url`` and the path inside it; a clear error naming the
+        package (and this package's extra) when the protocol's implementation is missing."""
+        try:
+            return fsspec.core.url_to_fs(url, **dict(self.storage_options))
+        except ImportError as err:
+            protocol = fsspec.utils.get_protocol(url)
+            extra = _EXTRAS.get(protocol)
+            how = f"pip install 'lightning-ckpt[{extra}]'" if extra else "install its fsspec implementation"
+            raise MissingDependencyError(
+                f"Checkpoint path {url!r} uses the {protocol!r} protocol, whose fsspec implementation is not"
+                f" installed ({err}). Fix: {how}.",
+                url,
+            ) from err
+        except ValueError as err:
+            raise CheckpointError(f"Checkpoint path {url!r} is not a URL fsspec can open: {err}.", url) from err
+
+    def local_path(self, url: str) -> str:
+        """Where ``url``'s checkpoint lives in the local tier: ``<local_dir>/<protocol>/<bucket>/<path>``."""
+        assert self.local_dir is not None
+        protocol = fsspec.utils.get_protocol(url)
+        parts = [p for p in url.split("://", 1)[1].split("/") if p]
+        if not parts or any(p in (".", "..") for p in parts):
+            raise ValueError(f"Checkpoint URL {url!r} has no usable path (or '.'/'..' in it); name a folder and a checkpoint.")
+        return os.path.join(os.path.abspath(self.local_dir), protocol, *parts)
+
+
+def new_generation() -> str:
+    """A generation name that sorts by creation time: ``gen-<unix ms>-<random>``."""
+    return f"gen-{int(time.time() * 1000):013d}-{secrets.token_hex(4)}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Streaming one object up or down, its digest computed on the way.
+
+
+def _discard(stream: Any) -> None:
+    """Drop an unfinished upload: the object is never created (a multipart upload is aborted)."""
+    try:
+        if hasattr(stream, "discard"):
+            stream.discard()
+        stream.closed = True  # closing would commit what was written so far
+    except Exception:
+        pass  # best effort: an upload left behind is aborted by ``clean_orphans``
+
+
+def _upload(fs: AbstractFileSystem, local_file: str, remote_file: str, record: fmt.FileRecord, algorithm: str, part_size: int) -> None:
+    """Stream ``local_file`` to ``remote_file`` through one part-sized buffer; the object appears
+    whole when its digest matched the manifest's, or not at all."""
+    digest = fmt.hasher(algorithm)
+    buffer = bytearray(min(part_size, 16 * 2**20))
+    view = memoryview(buffer)
+    written = 0
+    stream = fs.open(remote_file, "wb", block_size=part_size)
+    try:
+        with open(local_file, "rb", buffering=0) as source:
+            while n := source.readinto(buffer):
+                digest.update(view[:n])
+                stream.write(view[:n])
+                written += n
+        found = digest.hexdigest()
+        if written != record.size or found != record.digest:
+            raise CorruptCheckpointError(
+                f"{local_file!r} changed on local disk after it was written (size {written} against {record.size},"
+                f" {algorithm} {found} against {record.digest}); refusing to upload it.",
+                local_file,
+            )
+        stream.close()  # completes the upload
+    except BaseException:
+        _discard(stream)
+        raise
+
+
+def _download(fs: AbstractFileSystem, remote_file: str, local_file: str | None, record: fmt.FileRecord, algorithm: str, part_size: int, url: str, name: str) -> None:
+    """Stream ``remote_file`` into ``local_file`` (``None``: only hash it) and check it against
+    the manifest; ``CorruptCheckpointError`` naming the object when it differs."""
+    digest = fmt.hasher(algorithm)
+    read = 0
+    sink = open(local_file, "wb") if local_file is not None else None
+    try:
+        with fs.open(remote_file, "rb", block_size=part_size, cache_type="none") as source:
+            while chunk := source.read(part_size):
+                digest.update(chunk)
+                if sink is not None:
+                    sink.write(chunk)
+                read += len(chunk)
+    finally:
+        if sink is not None:
+            sink.close()
+    found = digest.hexdigest()
+    if read != record.size:
+        raise CorruptCheckpointError(
+            f"{url!r}: object {name!r} has {read} bytes, the manifest says {record.size}; the remote checkpoint is"
+            " damaged. Resume from another checkpoint.",
+            url,
+            name,
+        )
+    if found != record.digest:
+        raise CorruptCheckpointError(
+            f"{url!r}: checksum mismatch in object {name!r} ({algorithm}: expected {record.digest}, found {found});"
+            " the remote checkpoint is damaged. Resume from another checkpoint.",
+            url,
+            name,
+        )
+
+
+def _retried(action: Callable[[], None], what: str) -> None:
+    """Run ``action``; retry transient failures (network, 5xx) with backoff. Not retried: damaged
+    data, missing buckets or objects, refused permissions."""
+    for attempt in range(_ATTEMPTS):
+        try:
+            action()
+            return
+        except (CheckpointError, FileNotFoundError, PermissionError, KeyboardInterrupt):
+            raise
+        except Exception as err:
+            if attempt + 1 == _ATTEMPTS:
+                raise OSError(f"{what} failed {_ATTEMPTS} times; last error: {type(err).__name__}: {err}") from err
+            time.sleep(0.5 * 2**attempt)
+
+
+def _parallel(jobs: list[Callable[[], None]], concurrency: int) -> None:
+    """Run ``jobs`` on up to ``concurrency`` threads; the first failure cancels the rest and is raised."""
+    if not jobs:
+        return
+    with concurrent.futures.ThreadPoolExecutor(min(concurrency, len(jobs)), thread_name_prefix="lightning_ckpt-io") as pool:
+        futures = [pool.submit(job) for job in jobs]
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+# ----------------------------------------------------------------------------------------------
+# The pointer: the commit of a remote checkpoint.
+
+
+def _pointer_bytes(generation: str, manifest_bytes: bytes) -> bytes:
+    body = {
+        "format": POINTER_FORMAT,
+        "version": POINTER_VERSION,
+        "generation": generation,
+        "manifest": {"size": len(manifest_bytes), "digest": fmt.digest(manifest_bytes)},
+    }
+    return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+
+
+def read_pointer(fs: AbstractFileSystem, root: str, url: str) -> dict[str, Any] | None:
+    """``CURRENT`` of the remote checkpoint at ``root``, validated; ``None`` when there is none."""
+    try:
+        data = fs.cat_file(f"{root}/{CURRENT_FILE}")
+    except FileNotFoundError:
+        return None
+    try:
+        body = json.loads(data)
+        ok = (
+            body.get("format") == POINTER_FORMAT
+            and isinstance(body.get("version"), int)
+            and _GENERATION.fullmatch(body.get("generation", "")) is not None
+            and isinstance(body["manifest"]["size"], int)
+            and isinstance(body["manifest"]["digest"], str)
+        )
+    except (ValueError, TypeError, KeyError, AttributeError):
+        ok = False
+    if not ok:
+        raise CorruptCheckpointError(f"{url!r}: {CURRENT_FILE} is not a lightning_ckpt pointer; the remote checkpoint is damaged.", url, CURRENT_FILE)
+    if body["version"] > POINTER_VERSION:
+        raise CheckpointError(f"{url!r}: pointer version {body['version']} is newer than this lightning_ckpt reads. Upgrade it.", url)
+    return body
+
+
+def _not_found(url: str) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(
+        f"Checkpoint file not found: {url}. There is no committed lightning_ckpt checkpoint at that URL (no"
+        f" {CURRENT_FILE} object): check the URL, or resume from another checkpoint of the run.",
+        url,
+    )
+
+
+def read_manifest(url: str, options: RemoteOptions) -> tuple[fmt.Manifest, bytes, str]:
+    """The committed manifest of the remote checkpoint at ``url``: (manifest, its bytes, generation folder)."""
+    fs, root = options.filesystem(url)
+    for attempt in range(_ATTEMPTS):
+        pointer = read_pointer(fs, root, url)
+        if pointer is None:
+            raise _not_found(url)
+        folder = f"{root}/{pointer['generation']}"
+        try:
+            data = fs.cat_file(f"{folder}/{fmt.MANIFEST_FILE}")
+        except FileNotFoundError:
+            if attempt + 1 < _ATTEMPTS and read_pointer(fs, root, url) != pointer:
+                continue  # replaced by a newer save while we read: read that one
+            raise CorruptCheckpointError(f"{url!r}: {CURRENT_FILE} names {pointer['generation']!r}, which has no manifest; the remote checkpoint is damaged.", url, fmt.MANIFEST_FILE) from None
+        if len(data) != pointer["manifest"]["size"] or fmt.digest(data) != pointer["manifest"]["digest"]:
+            raise CorruptCheckpointError(f"{url!r}: the manifest of {pointer['generation']!r} does not match {CURRENT_FILE}; the remote checkpoint is damaged.", url, fmt.MANIFEST_FILE)
+        manifest = fmt.Manifest.from_bytes(data, where=url)
+        return manifest, data, folder
+    raise AssertionError("unreachable")
+
+
+# ----------------------------------------------------------------------------------------------
+# Publishing, fetching, verifying, removing.
+
+
+@dataclass(frozen=True)
+class Published:
+    url: str
+    generation: str
+    nbytes: int
+    seconds: float
+    files: int
+
+
+def publish(local: str, url: str, options: RemoteOptions) -> Published:
+    """Upload the committed local checkpoint ``local`` as the new generation of ``url`` and commit it.
+
+    Raises ``CheckpointWriteError`` when anything fails: nothing is committed, and the checkpoint
+    previously at ``url`` (if any) is unchanged.
+    """
+    from lightning_ckpt import reader
+
+    start = time.perf_counter()
+    fs, root = options.filesystem(url)
+    manifest = reader.read_manifest(local)
+    manifest_bytes = _read_file(os.path.join(local, fmt.MANIFEST_FILE))
+    generation = new_generation()
+    folder = f"{root}/{generation}"
+    try:
+        clean_orphans(fs, root.rsplit("/", 1)[0] if "/" in root else root)
+        fs.makedirs(folder, exist_ok=True)  # a no-op on object stores
+        jobs = [
+            _job(_upload, fs, os.path.join(local, name), f"{folder}/{name}", record, manifest.checksum, options.part_size, what=f"Uploading {name!r}")
+            for name, record in sorted(manifest.files.items(), key=lambda item: -item[1].size)  # largest first
+        ]
+        _parallel(jobs, options.concurrency)
+        _retried(lambda: fs.pipe_file(f"{folder}/{fmt.MANIFEST_FILE}", manifest_bytes), "Uploading the manifest")
+        _retried(lambda: fs.pipe_file(f"{root}/{CURRENT_FILE}", _pointer_bytes(generation, manifest_bytes)), f"Writing {CURRENT_FILE}")
+    except BaseException as err:
+        _remove_quietly(fs, folder)
+        if isinstance(err, (OSError, CheckpointError, RuntimeError, ValueError)):
+            raise CheckpointWriteError(
+                f"Uploading checkpoint {url!r} failed: {str(err).rstrip('.')}. Nothing was committed; the checkpoint"
+                " previously at that URL (if any) is unchanged.",
+                url,
+            ) from err
+        raise
+    # Committed. Older generations are garbage now; failing to delete them does not fail the save
+    # (the next save of this URL, or of its folder from a later process, removes them).
+    _remove_other_generations(fs, root, keep=generation)
+    return Published(url, generation, manifest.total_bytes + len(manifest_bytes), time.perf_counter() - start, len(manifest.files) + 1)
+
+
+def _job(function: Callable[..., None], *args: Any, what: str) -> Callable[[], None]:
+    return lambda: _retried(lambda: function(*args), what)
+
+
+def _read_file(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _listing(fs: AbstractFileSystem, path: str) -> list[str]:
+    fs.invalidate_cache(path)  # another process may have written since this one listed
+    try:
+        return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)]
+    except FileNotFoundError:
+        return []
+
+
+def _remove_quietly(fs: AbstractFileSystem, path: str) -> None:
+    try:
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+    except Exception as err:
+        warnings.warn(f"lightning_ckpt: could not remove {path!r} ({err}); the next save into its folder removes it.", stacklevel=2)
+
+
+def _remove_other_generations(fs: AbstractFileSystem, root: str, keep: str) -> None:
+    for name in _listing(fs, root):
+        if _GENERATION.fullmatch(name) and name != keep:
+            _remove_quietly(fs, f"{root}/{name}")
+
+
+def clean_orphans(fs: AbstractFileSystem, folder: str) -> list[str]:
+    """Delete what interrupted saves into ``folder`` left: generations no ``CURRENT`` names and
+    unfinished multipart uploads of generations. Only those begun before this process started,
+    so a save still running in this process is never touched. Returns what was removed."""
+    removed: list[str] = []
+    for name in _listing(fs, folder):
+        root = f"{folder}/{name}"
+        children = _listing(fs, root)
+        generations = [c for c in children if _GENERATION.fullmatch(c)]
+        if not generations or (set(children) - set(generations) - {CURRENT_FILE}):
+            continue  # not a remote checkpoint of ours
+        committed = None
+        if CURRENT_FILE in children:
+            try:
+                pointer = read_pointer(fs, root, root)
+                committed = pointer["generation"] if pointer else None
+            except CheckpointError:
+                continue  # damaged: leave it for a person to look at
+        for generation in generations:
+            born = int(_GENERATION.fullmatch(generation).group(1))  # type: ignore[union-attr]
+            if generation != committed and born < _PROCESS_STARTED_MS:
+                _remove_quietly(fs, f"{root}/{generation}")
+                removed.append(f"{root}/{generation}")
+    removed.extend(_abort_multipart_uploads(fs, folder))
+    return removed
+
+
+def _abort_multipart_uploads(fs: AbstractFileSystem, folder: str) -> list[str]:
+    """S3: abort unfinished multipart uploads of generations under ``folder`` begun before this
+    process started (their parts are billed but invisible to listings). Other stores: nothing."""
+    if not hasattr(fs, "call_s3") or "/" not in folder.strip("/"):
+        return []
+    bucket, prefix = folder.strip("/").split("/", 1)
+    aborted = []
+    try:
+        uploads = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix + "/").get("Uploads", [])
+        for upload in uploads:
+            key, initiated = upload["Key"], upload.get("Initiated")
+            begun_ms = initiated.timestamp() * 1000 if initiated is not None else 0
+            if re.search(r"/gen-\d{13}-[0-9a-f]{8}/", key) and begun_ms < _PROCESS_STARTED_MS:
+                fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload["UploadId"])
+                aborted.append(f"{bucket}/{key}")
+    except Exception as err:
+        warnings.warn(f"lightning_ckpt: could not list or abort unfinished uploads under {folder!r} ({err}).", stacklevel=2)
+    return aborted
+
+
+def fetch(url: str, options: RemoteOptions, dest: str) -> str:
+    """Download the committed checkpoint at ``url`` into the local directory ``dest``, verifying
+    every object on the way; ``dest`` appears atomically (a complete checkpoint or nothing)."""
+    from lightning_ckpt import writer
+
+    fs, root = options.filesystem(url)
+    for attempt in range(_ATTEMPTS):
+        manifest, data, folder = read_manifest(url, options)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        tmp = writer.TempDir(dest)
+        try:
+            jobs = [
+                _job(_download, fs, f"{folder}/{name}", os.path.join(tmp.path, name), record, manifest.checksum, options.part_size, url, name, what=f"Downloading {name!r}")
+                for name, record in manifest.files.items()
+            ]
+            _parallel(jobs, options.concurrency)
+            with open(os.path.join(tmp.path, fmt.MANIFEST_FILE), "wb") as f:
+                f.write(data)
+            writer.commit(tmp.path, dest)
+        except FileNotFoundError:
+            tmp.release(remove=True)
+            if attempt + 1 < _ATTEMPTS and read_pointer(fs, root, url) is not None:
+                continue  # the generation was replaced while we read: fetch the new one
+            raise CorruptCheckpointError(f"{url!r}: an object the manifest lists is missing; the remote checkpoint is damaged.", url) from None
+        except BaseException:
+            tmp.release(remove=True)
+            raise
+        tmp.release(remove=False)
+        return dest
+    raise AssertionError("unreachable")
+
+
+def verify(url: str, options: RemoteOptions) -> fmt.Manifest:
+    """Hash every object of the committed checkpoint at ``url`` against its manifest (nothing is
+    stored locally); raise ``CorruptCheckpointError`` naming a damaged object."""
+    fs, _ = options.filesystem(url)
+    manifest, _, folder = read_manifest(url, options)
+    jobs = [
+        _job(_download, fs, f"{folder}/{name}", None, record, manifest.checksum, options.part_size, url, name, what=f"Reading {name!r}")
+        for name, record in manifest.files.items()
+    ]
+    try:
+        _parallel(jobs, options.concurrency)
+    except FileNotFoundError as err:
+        raise CorruptCheckpointError(f"{url!r}: an object the manifest lists is missing ({err}); the remote checkpoint is damaged.", url) from err
+    return manifest
+
+
+def exists(url: str, options: RemoteOptions) -> bool:
+    """Whether a committed checkpoint is at ``url``."""
+    fs, root = options.filesystem(url)
+    return read_pointer(fs, root, url) is not None
+
+
+def remove(url: str, options: RemoteOptions) -> None:
+    """Remove the remote checkpoint at ``url``: ``CURRENT`` first (it stops being loadable at
+    once), then its generations. Refuses a folder that is not a remote checkpoint of ours."""
+    fs, root = options.filesystem(url)
+    children = _listing(fs, root)
+    if not children:
+        return
+    if set(children) - {CURRENT_FILE} - {c for c in children if _GENERATION.fullmatch(c)}:
+        raise CheckpointError(
+            f"Refusing to remove {url!r}: it holds objects other than {CURRENT_FILE} and generations, so it is not a"
+            " lightning_ckpt remote checkpoint. Remove it by hand if it should go.",
+            url,
+        )
+    if CURRENT_FILE in children:
+        fs.rm_file(f"{root}/{CURRENT_FILE}")
+    fs.rm(root, recursive=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The local tier: a copy of each remote checkpoint on local disk.
+
+
+def spool_dir() -> str:
+    """A private temporary folder a save is committed in before it is uploaded (no local tier)."""
+    return tempfile.mkdtemp(prefix=".lightning_ckpt-spool-")
+
+
+def published_marker(local: str) -> str:
+    """The file beside a local-tier checkpoint that records the remote generation it was published as."""
+    folder, name = os.path.split(local)
+    return os.path.join(folder, f".{name}.lckpt-published")
+
+
+def mark_published(local: str, published: Published) -> None:
+    with open(published_marker(local), "w") as f:
+        json.dump({"url": published.url, "generation": published.generation}, f)
+
+
+def prune_local_tier(local: str, keep: int) -> list[str]:
+    """Keep the newest ``keep`` published checkpoints in ``local``'s folder; never one that is not
+    published yet (it may be the only copy). Returns what was removed."""
+    from lightning_ckpt import writer
+
+    folder = os.path.dirname(local)
+    published = []
+    for entry in os.scandir(folder):
+        if entry.is_dir() and not entry.name.startswith(".") and os.path.exists(published_marker(entry.path)):
+            published.append((entry.stat().st_mtime, entry.path))
+    published.sort(reverse=True)
+    removed = []
+    for _, path in published[keep:]:
+        writer.remove_checkpoint(path)
+        os.unlink(published_marker(path))
+        removed.append(path)
+    return removed
+
+
+def publish_committed(local: str, url: str, options: RemoteOptions, spool: str | None) -> Published:
+    """Publish the locally committed checkpoint ``local`` to ``url``; then remove ``spool`` (the
+    temporary folder it was committed in), or, in the local tier, mark it published and prune."""
+    try:
+        published = publish(local, url, options)
+    finally:
+        if spool is not None:
+            shutil.rmtree(spool, ignore_errors=True)
+    if spool is None:
+        mark_published(local, published)
+        prune_local_tier(local, options.local_keep)
+    return published
+
+
+def remove_everywhere(url: str, options: RemoteOptions) -> None:
+    """Remove the remote checkpoint at ``url`` and its local-tier copy."""
+    remove(url, options)
+    if options.local_dir is not None:
+        remove_local_copy(options.local_path(url))
+
+
+def remove_local_copy(local: str) -> None:
+    from lightning_ckpt import writer
+
+    writer.remove_checkpoint(local)
+    try:
+        os.unlink(published_marker(local))
+    except FileNotFoundError:
+        pass
+
+
+def local_copy_for_load(url: str, options: RemoteOptions) -> tuple[str, Callable[[], None]]:
+    """A committed local directory holding ``url``'s checkpoint, and what to call once it is loaded.
+
+    With a local tier: its copy when it is the remote's committed generation, or newer than the
+    remote (a save whose upload had not finished); else the remote one is downloaded into the
+    tier. Without: the remote one is downloaded into a temporary folder, removed after loading
+    (loaded tensors map its files; unlinking them keeps the mapped data valid).
+    """
+    if options.local_dir is None:
+        spool = spool_dir()
+        try:
+            local = fetch(url, options, os.path.join(spool, "checkpoint"))
+        except BaseException:
+            shutil.rmtree(spool, ignore_errors=True)
+            raise
+        return local, lambda: shutil.rmtree(spool, ignore_errors=True)
+    local = options.local_path(url)
+    if _local_copy_is_current(local, url, options):
+        return local, lambda: None
+    try:
+        os.unlink(published_marker(local))
+    except FileNotFoundError:
+        pass
+    fetch(url, options, local)
+    return local, lambda: None
+
+
+def _local_copy_is_current(local: str, url: str, options: RemoteOptions) -> bool:
+    from lightning_ckpt import reader
+
+    if not os.path.exists(os.path.join(local, fmt.MANIFEST_FILE)):
+        return False
+    fs, root = options.filesystem(url)
+    pointer = read_pointer(fs, root, url)
+    if pointer is None:
+        return True  # never published (the upload was interrupted): the local copy is the newest
+    try:
+        with open(published_marker(local)) as f:
+            if json.load(f).get("generation") == pointer["generation"]:
+                return True
+    except (OSError, ValueError):
+        pass
+    remote, _, _ = read_manifest(url, options)
+    mine = reader.read_manifest(local)
+    # Not the published one: the newer of the two (a local save whose upload did not finish, or
+    # a remote one written elsewhere); on a tie the remote, which is committed where it matters.
+    return (mine.global_step or -1, mine.epoch or -1) > (remote.global_step or -1, remote.epoch or -1)
+
+
+class Uploader:
+    """Publishes (and removes) local-tier checkpoints on one background thread, in order, so a
+    synchronous save returns once it is committed on local disk.
+
+    A removal queued after a publish that failed is skipped (with a warning): the checkpoint it
+    would remove may now be the newest one on the remote.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[tuple[str, Callable[[], Published | None]]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._last_publish_failed = False
+        self.errors: list[BaseException] = []
+        self.results: list[Published] = []
+
+    def publish(self, job: Callable[[], Published]) -> None:
+        self._put("publish", job)
+
+    def remove(self, url: str, job: Callable[[], None]) -> None:
+        def remove_unless_replacement_failed() -> None:
+            if self._last_publish_failed:
+                warnings.warn(f"Kept {url!r}: the save that would have replaced it failed to upload.", stacklevel=1)
+                return
+            job()
+
+        self._put("remove", remove_unless_replacement_failed)
+
+    def _put(self, kind: str, job: Callable[[], Published | None]) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="lightning_ckpt-upload", daemon=True)
+            self._thread.start()
+        self._jobs.put((kind, job))
+
+    def _run(self) -> None:
+        while True:
+            kind, job = self._jobs.get()
+            try:
+                result = job()
+                if kind == "publish":
+                    self._last_publish_failed = False
+                    if result is not None:
+                        self.results.append(result)
+            except BaseException as err:  # raised in the training thread at the next save or wait
+                if kind == "publish":
+                    self._last_publish_failed = True
+                self.errors.append(err)
+            finally:
+                self._jobs.task_done()
+
+    @property
+    def busy(self) -> bool:
+        return self._jobs.unfinished_tasks > 0
+
+    def wait(self) -> None:
+        """Block until every queued upload and removal has ended."""
+        self._jobs.join()
+
+    def take_errors(self) -> list[BaseException]:
+        errors, self.errors = self.errors, []
+        return errors

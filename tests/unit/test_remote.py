@@ -1,0 +1,240 @@
+"""Remote checkpoints on fsspec's in-process ``memory://`` filesystem: layout, commit, replace,
+verify, local tier, orphan clean-up, clear errors. (A real S3 server: tests/integration/test_s3.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import fsspec
+import pytest
+import torch
+
+from lightning_ckpt import (
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    MissingDependencyError,
+    ShardedCheckpointIO,
+    load_checkpoint,
+    remove_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from lightning_ckpt import manifest as fmt
+from lightning_ckpt import remote
+
+
+@pytest.fixture(autouse=True)
+def memory_fs():
+    fs = fsspec.filesystem("memory")
+    fs.store.clear()
+    fs.pseudo_dirs.clear()
+    fs.pseudo_dirs.append("")
+    yield fs
+    fs.store.clear()
+
+
+def _state(step: int, seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "state_dict": {"w": torch.randn(256, 256, generator=generator), "b": torch.arange(7, dtype=torch.int64)},
+        "optimizer_states": [{"state": {0: {"exp_avg": torch.randn(256, 256, generator=generator)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}],
+        "global_step": step,
+        "epoch": 0,
+    }
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return (
+        torch.equal(a["state_dict"]["w"], b["state_dict"]["w"])
+        and torch.equal(a["state_dict"]["b"], b["state_dict"]["b"])
+        and torch.equal(a["optimizer_states"][0]["state"][0]["exp_avg"], b["optimizer_states"][0]["state"][0]["exp_avg"])
+        and a["global_step"] == b["global_step"]
+    )
+
+
+def _objects(fs, root: str) -> list[str]:
+    return sorted(p.split(root.strip("/") + "/", 1)[1] for p in fs.find(root))
+
+
+def test_save_load_roundtrip_and_layout(memory_fs):
+    url = "memory://bucket/run/a.ckpt"
+    state = _state(3)
+    result = save_checkpoint(state, url)
+    assert result.path == url and result.nbytes > 0
+    objects = _objects(memory_fs, "/bucket/run/a.ckpt")
+    generations = {o.split("/")[0] for o in objects if o != remote.CURRENT_FILE}
+    assert remote.CURRENT_FILE in objects and len(generations) == 1
+    (generation,) = generations
+    assert f"{generation}/{fmt.MANIFEST_FILE}" in objects
+    pointer = json.loads(memory_fs.cat_file("/bucket/run/a.ckpt/CURRENT"))
+    assert pointer["generation"] == generation and pointer["format"] == remote.POINTER_FORMAT
+    assert _equal(load_checkpoint(url), state)
+    assert verify_checkpoint(url).global_step == 3
+
+
+def test_replacing_keeps_one_generation_and_loads_the_new_state(memory_fs):
+    url = "memory://bucket/run/last.ckpt"
+    save_checkpoint(_state(1, seed=1), url)
+    save_checkpoint(_state(2, seed=2), url)
+    generations = {o.split("/")[0] for o in _objects(memory_fs, "/bucket/run/last.ckpt")} - {remote.CURRENT_FILE}
+    assert len(generations) == 1
+    assert _equal(load_checkpoint(url), _state(2, seed=2))
+
+
+def test_a_generation_without_current_is_not_a_checkpoint(memory_fs):
+    url = "memory://bucket/run/a.ckpt"
+    save_checkpoint(_state(1), url)
+    memory_fs.rm_file("/bucket/run/a.ckpt/CURRENT")  # as if the commit never happened
+    with pytest.raises(CheckpointNotFoundError, match="no committed lightning_ckpt checkpoint"):
+        load_checkpoint(url)
+
+
+def test_verify_and_load_name_a_corrupted_object(memory_fs):
+    url = "memory://bucket/run/a.ckpt"
+    save_checkpoint(_state(1), url)
+    shard = next(p for p in memory_fs.find("/bucket/run/a.ckpt") if p.endswith(".safetensors") and "/optimizer" in p)
+    data = bytearray(memory_fs.cat_file(shard))
+    data[-5] ^= 0xFF
+    memory_fs.pipe_file(shard, bytes(data))
+    name = shard.rsplit("/", 1)[1]
+    with pytest.raises(CorruptCheckpointError, match=f"checksum mismatch in object '{name}'") as raised:
+        verify_checkpoint(url)
+    assert raised.value.file == name
+    with pytest.raises(CorruptCheckpointError, match=name):
+        load_checkpoint(url)
+
+
+def test_a_missing_object_is_reported(memory_fs):
+    url = "memory://bucket/run/a.ckpt"
+    save_checkpoint(_state(1), url)
+    shard = next(p for p in memory_fs.find("/bucket/run/a.ckpt") if p.endswith(".safetensors"))
+    memory_fs.rm_file(shard)
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        verify_checkpoint(url)
+
+
+def test_remove_and_refusal_of_foreign_folders(memory_fs):
+    url = "memory://bucket/run/a.ckpt"
+    save_checkpoint(_state(1), url)
+    remove_checkpoint(url)
+    assert not memory_fs.exists("/bucket/run/a.ckpt/CURRENT") and memory_fs.find("/bucket/run/a.ckpt") == []
+    memory_fs.pipe_file("/bucket/run/data/file.txt", b"user data")
+    with pytest.raises(Exception, match="not a lightning_ckpt remote checkpoint"):
+        remove_checkpoint("memory://bucket/run/data")
+    assert memory_fs.cat_file("/bucket/run/data/file.txt") == b"user data"
+
+
+def test_orphaned_generations_from_an_earlier_process_are_cleaned(memory_fs, monkeypatch):
+    save_checkpoint(_state(1), "memory://bucket/run/a.ckpt")
+    old = f"gen-{int(time.time() * 1000) - 60_000:013d}-0badc0de"
+    memory_fs.pipe_file(f"/bucket/run/b.ckpt/{old}/model-00001-of-00001.safetensors", b"partial")  # never committed
+    memory_fs.pipe_file(f"/bucket/run/a.ckpt/{old}/metadata.json", b"{}")  # a stale one beside a committed one
+    monkeypatch.setattr(remote, "_PROCESS_STARTED_MS", int(time.time() * 1000))
+    save_checkpoint(_state(2), "memory://bucket/run/c.ckpt")
+    assert memory_fs.find("/bucket/run/b.ckpt") == []
+    assert not any(old in p for p in memory_fs.find("/bucket/run/a.ckpt"))
+    assert _equal(load_checkpoint("memory://bucket/run/a.ckpt"), _state(1))
+
+
+def test_missing_filesystem_names_the_extra():
+    pytest.importorskip("fsspec")
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("gcsfs is installed")
+    with pytest.raises(MissingDependencyError, match=r"lightning-ckpt\[gcs\]"):
+        save_checkpoint(_state(1), "gs://bucket/run/a.ckpt")
+
+
+def test_io_sync_save_load_remove(memory_fs):
+    io = ShardedCheckpointIO()
+    url = "memory://bucket/run/x.ckpt"
+    io.save_checkpoint(_state(5), url)
+    assert io.last_save.path == url
+    assert _equal(io.load_checkpoint(url), _state(5))
+    io.remove_checkpoint(url)
+    assert memory_fs.find("/bucket/run/x.ckpt") == []
+    io.teardown()
+
+
+def test_storage_options_argument_of_save_is_refused_with_a_fix():
+    with pytest.raises(TypeError, match=r"ShardedCheckpointIO\(storage_options=\.\.\.\)"):
+        ShardedCheckpointIO().save_checkpoint(_state(1), "memory://bucket/x.ckpt", storage_options={"anon": True})
+
+
+def test_local_tier_commits_locally_then_uploads_in_the_background(memory_fs, tmp_path):
+    io = ShardedCheckpointIO(local_dir=tmp_path / "tier", local_keep=2)
+    urls = [f"memory://bucket/run/step={i}.ckpt" for i in range(3)]
+    for i, url in enumerate(urls):
+        io.save_checkpoint(_state(i, seed=i), url)
+        local = io.remote.local_path(url)
+        assert os.path.isfile(os.path.join(local, fmt.MANIFEST_FILE))  # committed locally when save returns
+    io.wait()
+    for i, url in enumerate(urls):
+        assert verify_checkpoint(url).global_step == i
+    tier = os.path.join(tmp_path, "tier", "memory", "bucket", "run")
+    kept = sorted(n for n in os.listdir(tier) if not n.startswith("."))
+    assert kept == ["step=1.ckpt", "step=2.ckpt"]  # local_keep=2 of the published ones
+    assert sorted(r.path for r in io.poll()) == sorted(urls)
+    io.remove_checkpoint(urls[2])
+    io.wait()
+    assert not memory_fs.exists("/bucket/run/step=2.ckpt/CURRENT")
+    assert not os.path.exists(os.path.join(tier, "step=2.ckpt"))
+    io.teardown()
+
+
+def test_local_tier_load_prefers_a_newer_local_copy(memory_fs, tmp_path):
+    io = ShardedCheckpointIO(local_dir=tmp_path / "tier")
+    url = "memory://bucket/run/last.ckpt"
+    io.save_checkpoint(_state(1, seed=1), url)
+    io.wait()
+    # The local copy is the published generation: loaded from disk, nothing downloaded.
+    memory_fs.rm(f"/bucket/run/last.ckpt/{remote.read_pointer(memory_fs, '/bucket/run/last.ckpt', url)['generation']}", recursive=True)
+    assert _equal(io.load_checkpoint(url), _state(1, seed=1))
+    io.save_checkpoint(_state(1, seed=1), url)
+    io.wait()
+    # A local save whose upload did not happen (written by the local path alone) is newer: it wins.
+    save_checkpoint(_state(9, seed=9), io.remote.local_path(url))
+    os.unlink(remote.published_marker(io.remote.local_path(url)))
+    assert _equal(io.load_checkpoint(url), _state(9, seed=9))
+    io.teardown()
+
+
+def test_local_tier_downloads_a_newer_remote(memory_fs, tmp_path):
+    url = "memory://bucket/run/last.ckpt"
+    writer_io = ShardedCheckpointIO(local_dir=tmp_path / "a")
+    writer_io.save_checkpoint(_state(1, seed=1), url)
+    writer_io.wait()
+    save_checkpoint(_state(4, seed=4), url)  # written elsewhere, later
+    assert _equal(writer_io.load_checkpoint(url), _state(4, seed=4))
+    writer_io.teardown()
+
+
+def test_failed_background_upload_is_raised_and_keeps_the_old_checkpoint(memory_fs, tmp_path):
+    io = ShardedCheckpointIO(local_dir=tmp_path / "tier")
+    good = "memory://bucket/run/good.ckpt"
+    io.save_checkpoint(_state(1), good)
+    io.wait()
+    memory_fs.pipe_file("/bucket/run/bad.ckpt", b"a file where the checkpoint folder should go")
+    io.save_checkpoint(_state(2), "memory://bucket/run/bad.ckpt/x.ckpt")
+    io.remove_checkpoint(good)  # queued behind the failing upload: must be skipped
+    with pytest.warns(UserWarning, match="Kept"), pytest.raises(CheckpointWriteError, match="Nothing was committed"):
+        io.wait()
+    assert _equal(load_checkpoint(good), _state(1))
+    io.teardown()
+
+
+def test_bad_arguments_are_clear(tmp_path):
+    with pytest.raises(ValueError, match="local_keep"):
+        ShardedCheckpointIO(local_keep=0)
+    with pytest.raises(ValueError, match="upload_part_size"):
+        ShardedCheckpointIO(upload_part_size="1MiB")
+    with pytest.raises(ValueError, match="local_dir"):
+        ShardedCheckpointIO(local_dir="s3://bucket/tier")
+    with pytest.raises(ValueError, match="upload_concurrency"):
+        ShardedCheckpointIO(upload_concurrency=0)
