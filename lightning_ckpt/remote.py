@@ -133,20 +133,19 @@ def _discard(stream: Any) -> None:
         pass  # best effort: an upload left behind is aborted by ``clean_orphans``
 
 
-def _upload(fs: AbstractFileSystem, local_file: str, remote_file: str, record: fmt.FileRecord, algorithm: str, part_size: int) -> None:
-    """Stream ``local_file`` to ``remote_file`` through one part-sized buffer; the object appears
-    whole when its digest matched the manifest's, or not at all."""
+def _upload(fs: AbstractFileSystem, fd: int, local_file: str, remote_file: str, record: fmt.FileRecord, algorithm: str, part_size: int) -> None:
+    """Stream the local file open as ``fd`` to ``remote_file`` through one part-sized buffer; the
+    object appears whole when its digest matched the manifest's, or not at all."""
     digest = fmt.hasher(algorithm)
     buffer = bytearray(min(part_size, 16 * 2**20))
     view = memoryview(buffer)
     written = 0
     stream = fs.open(remote_file, "wb", block_size=part_size)
     try:
-        with open(local_file, "rb", buffering=0) as source:
-            while n := source.readinto(buffer):
-                digest.update(view[:n])
-                stream.write(view[:n])
-                written += n
+        while n := os.preadv(fd, [buffer], written):
+            digest.update(view[:n])
+            stream.write(view[:n])
+            written += n
         found = digest.hexdigest()
         if written != record.size or found != record.digest:
             raise CorruptCheckpointError(
@@ -301,6 +300,7 @@ class Published:
     nbytes: int
     seconds: float
     files: int
+    manifest_digest: str
 
 
 def publish(local: str, url: str, options: RemoteOptions) -> Published:
@@ -309,19 +309,18 @@ def publish(local: str, url: str, options: RemoteOptions) -> Published:
     Raises ``CheckpointWriteError`` when anything fails: nothing is committed, and the checkpoint
     previously at ``url`` (if any) is unchanged.
     """
-    from lightning_ckpt import reader
-
     start = time.perf_counter()
     fs, root = options.filesystem(url)
-    manifest = reader.read_manifest(local)
-    manifest_bytes = _read_file(os.path.join(local, fmt.MANIFEST_FILE))
+    # Every file is opened before the upload begins: a save replacing ``local`` meanwhile (the
+    # local tier's next ``last.ckpt``) cannot mix two checkpoints; this one stays readable.
+    manifest_bytes, manifest, fds = _open_committed(local)
     generation = new_generation()
     folder = f"{root}/{generation}"
     try:
         clean_orphans(fs, root.rsplit("/", 1)[0] if "/" in root else root)
         fs.makedirs(folder, exist_ok=True)  # a no-op on object stores
         jobs = [
-            _job(_upload, fs, os.path.join(local, name), f"{folder}/{name}", record, manifest.checksum, options.part_size, what=f"Uploading {name!r}")
+            _job(_upload, fs, fds[name], os.path.join(local, name), f"{folder}/{name}", record, manifest.checksum, options.part_size, what=f"Uploading {name!r}")
             for name, record in sorted(manifest.files.items(), key=lambda item: -item[1].size)  # largest first
         ]
         _parallel(jobs, options.concurrency)
@@ -336,19 +335,36 @@ def publish(local: str, url: str, options: RemoteOptions) -> Published:
                 url,
             ) from err
         raise
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     # Committed. Older generations are garbage now; failing to delete them does not fail the save
     # (the next save of this URL, or of its folder from a later process, removes them).
     _remove_other_generations(fs, root, keep=generation)
-    return Published(url, generation, manifest.total_bytes + len(manifest_bytes), time.perf_counter() - start, len(manifest.files) + 1)
+    return Published(url, generation, manifest.total_bytes + len(manifest_bytes), time.perf_counter() - start, len(manifest.files) + 1, fmt.digest(manifest_bytes))
 
 
 def _job(function: Callable[..., None], *args: Any, what: str) -> Callable[[], None]:
     return lambda: _retried(lambda: function(*args), what)
 
 
-def _read_file(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+def _open_committed(local: str) -> tuple[bytes, fmt.Manifest, dict[str, int]]:
+    """The manifest (bytes, parsed) of the committed local checkpoint ``local`` and an open fd of
+    each file it lists, all read through one directory fd: one checkpoint, whatever replaces it."""
+    from lightning_ckpt.reader import _Dir, _read_manifest
+
+    fds: dict[str, int] = {}
+    with _Dir(local) as directory:  # a committed directory never changes; replacing swaps directories
+        manifest = _read_manifest(directory)
+        data = directory.read(fmt.MANIFEST_FILE)
+        try:
+            for name in manifest.files:
+                fds[name] = directory.open(name)
+        except BaseException:
+            for fd in fds.values():
+                os.close(fd)
+            raise
+    return data, manifest, fds
 
 
 def _listing(fs: AbstractFileSystem, path: str) -> list[str]:
@@ -508,6 +524,13 @@ def published_marker(local: str) -> str:
 
 
 def mark_published(local: str, published: Published) -> None:
+    """Record that ``local`` is ``published``, unless a newer save replaced it meanwhile."""
+    try:
+        with open(os.path.join(local, fmt.MANIFEST_FILE), "rb") as f:
+            if fmt.digest(f.read()) != published.manifest_digest:
+                return  # a newer checkpoint is there now, not uploaded yet
+    except FileNotFoundError:
+        return
     with open(published_marker(local), "w") as f:
         json.dump({"url": published.url, "generation": published.generation}, f)
 

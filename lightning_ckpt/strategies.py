@@ -23,6 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_ckpt import manifest as fmt
+from lightning_ckpt.remote import is_remote
 
 
 def sharded_io(strategy: Strategy) -> Any:
@@ -50,6 +51,8 @@ def save_sharded(strategy: Strategy, checkpoint: dict[str, Any], filepath: _PATH
     io = sharded_io(strategy)
     if io is None:
         return False
+    if isinstance(strategy, DDPStrategy) and io.spread_writes is None and is_remote(filepath) and io.remote.local_dir is None:
+        return False  # spreading needs a folder all ranks share; without a local tier rank 0 uploads alone
     io.save_sharded(checkpoint, filepath, strategy.global_rank, strategy.world_size, strategy.broadcast)
     return True
 

@@ -1,0 +1,164 @@
+"""Checkpoints on a real S3-compatible server (moto's, on 127.0.0.1, see tests/s3_server.py):
+a Trainer saving and resuming through ``s3://`` (sync, async, local tier), top-k removal and
+``last``, verification of a damaged object, a killed writer, a failing server."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from models import fit_regressor
+from s3_server import set_environment, start_or_skip
+
+import lightning_ckpt as lc
+from lightning_ckpt import remote
+
+BUCKET = "ckpts"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s3 = start_or_skip()
+    s3.filesystem().makedirs(BUCKET, exist_ok=True)
+    yield s3
+    s3.stop()
+
+
+@pytest.fixture
+def s3(server, monkeypatch, request):
+    """The server, its environment set, and a fresh prefix for this test."""
+    set_environment(monkeypatch, server)
+    server.faults.clear()
+    prefix = f"{BUCKET}/{request.node.name.replace('[', '-').replace(']', '')}"
+    yield server, prefix
+    server.faults.clear()
+
+
+def _state_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    want = b.state_dict()
+    for key, value in a.state_dict().items():
+        assert torch.equal(value, want[key]), key
+
+
+def _checkpoints(fs, prefix: str) -> list[str]:
+    fs.invalidate_cache()
+    return sorted(p.rsplit("/", 1)[1] for p in fs.ls(prefix, detail=False))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "local_tier"])
+def test_trainer_saves_and_resumes_through_s3(s3, tmp_path, mode):
+    server, prefix = s3
+    fs = server.filesystem()
+    dirpath = f"s3://{prefix}/run"
+
+    def plugin():
+        if mode == "async":
+            return lc.ShardedCheckpointIO(async_save=True)
+        if mode == "local_tier":
+            return lc.ShardedCheckpointIO(local_dir=tmp_path / "tier")
+        return lc.ShardedCheckpointIO()
+
+    full, full_model = fit_regressor(4, plugin=lc.ShardedCheckpointIO())
+    first, _ = fit_regressor(2, dirpath=dirpath, plugin=plugin())
+    first.strategy.checkpoint_io.teardown()
+    names = _checkpoints(fs, f"{prefix}/run")
+    assert "last.ckpt" in names and len(names) == 3, names  # top-2 + last: worse ones were removed
+    for name in names:
+        manifest = lc.verify_checkpoint(f"s3://{prefix}/run/{name}")
+        assert manifest.global_step is not None
+    resumed, resumed_model = fit_regressor(4, dirpath=dirpath, ckpt_path=f"{dirpath}/last.ckpt", plugin=plugin())
+    resumed.strategy.checkpoint_io.teardown()
+    _state_equal(resumed_model, full_model)
+    assert resumed_model.losses == full_model.losses[len(full_model.losses) - len(resumed_model.losses):]
+
+
+def test_sharded_model_checkpoint_to_s3(s3, tmp_path):
+    server, prefix = s3
+    from lightning.pytorch import Trainer, seed_everything
+    from models import TinyRegressor, trainer_kwargs
+
+    seed_everything(0)
+    io = lc.ShardedCheckpointIO(async_save=True)
+    callback = lc.ShardedModelCheckpoint(dirpath=f"s3://{prefix}/run", every_n_train_steps=2, save_top_k=2, monitor="train_loss", save_last=True)
+    trainer = Trainer(max_epochs=2, callbacks=[callback], plugins=[io], **trainer_kwargs())
+    model = TinyRegressor()
+    trainer.fit(model)
+    io.teardown()
+    loaded = lc.load_checkpoint(f"s3://{prefix}/run/last.ckpt")
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded["state_dict"][key], value), key
+    assert callback.best_model_path.startswith("s3://")
+
+
+def test_verify_names_a_corrupted_object(s3):
+    server, prefix = s3
+    fs = server.filesystem()
+    url = f"s3://{prefix}/a.ckpt"
+    lc.save_checkpoint({"state_dict": {"w": torch.randn(64, 64)}, "global_step": 1}, url)
+    shard = next(p for p in fs.find(f"{prefix}/a.ckpt") if p.endswith(".safetensors"))
+    data = bytearray(fs.cat_file(shard))
+    data[-1] ^= 0x01
+    fs.pipe_file(shard, bytes(data))
+    with pytest.raises(lc.CorruptCheckpointError, match=os.path.basename(shard)):
+        lc.verify_checkpoint(url)
+
+
+def _multipart_uploads(fs, prefix: str) -> list[str]:
+    bucket, key = prefix.split("/", 1)
+    return [u["Key"] for u in fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key + "/").get("Uploads", [])]
+
+
+def test_killed_writer_commits_nothing_and_the_next_save_cleans_up(s3):
+    server, prefix = s3
+    fs = server.filesystem()
+    state = {"state_dict": {f"w{i}": torch.randn(2**20) for i in range(6)}, "global_step": 1}  # 24 MiB
+    io = lc.ShardedCheckpointIO(async_save=True, max_shard_size="8MiB", upload_part_size="5MiB", upload_concurrency=2)
+    server.faults.match = lambda method, path, query: method == "PUT" and "partNumber=2" in query
+    server.faults.delay = 30.0  # every object's second part hangs: the upload is mid-way for sure
+    io.save_checkpoint(state, f"s3://{prefix}/run/doomed.ckpt")
+    deadline = time.monotonic() + 30
+    while not _multipart_uploads(fs, prefix) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _multipart_uploads(fs, prefix), "no multipart upload began"
+    io._worker.kill()  # the writer dies mid-upload
+    server.faults.clear()
+    with pytest.raises(lc.CheckpointWriteError):
+        io.wait()
+    assert not remote.exists(f"s3://{prefix}/run/doomed.ckpt", remote.RemoteOptions())
+    # The next save (a new writer process) commits, removes the dead one's generation and aborts its uploads.
+    io.save_checkpoint({"state_dict": {"w": torch.ones(8)}, "global_step": 2}, f"s3://{prefix}/run/next.ckpt")
+    io.wait()
+    io.teardown()
+    assert _multipart_uploads(fs, prefix) == []
+    fs.invalidate_cache()
+    assert fs.find(f"{prefix}/run/doomed.ckpt") == []
+    assert torch.equal(lc.load_checkpoint(f"s3://{prefix}/run/next.ckpt")["state_dict"]["w"], torch.ones(8))
+
+
+def test_transient_errors_are_retried(s3):
+    server, prefix = s3
+    url = f"s3://{prefix}/a.ckpt"
+    server.faults.match = lambda method, path, query: method == "PUT"
+    server.faults.fail = 6  # more than one request's worth of the client's own retries
+    state = {"state_dict": {"w": torch.randn(1000)}, "global_step": 3}
+    lc.save_checkpoint(state, url)
+    assert server.faults.failed == 6
+    assert torch.equal(lc.load_checkpoint(url)["state_dict"]["w"], state["state_dict"]["w"])
+
+
+def test_a_failing_server_gives_a_clear_error_and_keeps_the_previous_checkpoint(s3, monkeypatch):
+    server, prefix = s3
+    monkeypatch.setattr(remote, "_ATTEMPTS", 2)  # keep the test short: 2 of ours, 2 of botocore's each
+    storage_options = {"config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}}}
+    url = f"s3://{prefix}/last.ckpt"
+    old = {"state_dict": {"w": torch.randn(1000)}, "global_step": 1}
+    lc.save_checkpoint(old, url)
+    server.faults.match = lambda method, path, query: method in ("PUT", "POST")
+    server.faults.fail, server.faults.status, server.faults.code = -1, 500, "InternalError"
+    with pytest.raises(lc.CheckpointWriteError, match="Nothing was committed") as raised:
+        lc.save_checkpoint({"state_dict": {"w": torch.zeros(1000)}, "global_step": 2}, url, storage_options=storage_options)
+    assert url in str(raised.value) and "failed 2 times" in str(raised.value)
+    server.faults.clear()
+    assert torch.equal(lc.load_checkpoint(url)["state_dict"]["w"], old["state_dict"]["w"])
