@@ -4,11 +4,21 @@ Checkpoints read: lightning_ckpt directories, single files written by ``torch.sa
 default ``.ckpt``) and stock DCP folders written by Lightning's sharded strategies
 (``ModelParallelStrategy``, ``FSDPStrategy(state_dict_type="sharded")``).
 
+Every PATH may also be the fsspec URL of a remote lightning_ckpt checkpoint (``s3://bucket/run/x.ckpt``;
+see ``remote.py``), with ``--storage-options JSON`` passed to its filesystem (credentials,
+``{"client_kwargs": {"endpoint_url": ...}}``). ``inspect URL`` reads ``CURRENT`` and the manifest
+only, no shard; ``verify URL`` streams and hashes every object, storing nothing; ``convert`` takes
+a URL on either side (a remote destination is always a checkpoint directory, published as a new
+generation). A URL whose fsspec implementation is not installed (``gs://`` without gcsfs) exits 2.
+
 ``inspect --json`` prints one JSON document and nothing else on stdout::
 
     {"path", "format": "lightning_ckpt" | "torch" | "dcp", "format_version", "global_step", "epoch",
      "files": [{"name", "bytes", "rank", "digest"}], "total_bytes",
      "tensors": [{"component", "path", "dtype", "shape", "file", ("chunks")}], ...}
+
+A remote checkpoint's document is a directory's, ``path`` being the URL as given, plus
+``"generation"``: the immutable generation folder (under the URL) that ``CURRENT`` names.
 
 ``rank`` is the global rank that wrote the file (0 for single-process saves); ``digest`` is
 ``null`` where the format records none. A tensor stored in pieces (multi-rank saves, DCP) has
@@ -32,17 +42,20 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from lightning_ckpt import legacy_dcp
-from lightning_ckpt.errors import CheckpointError
+from lightning_ckpt import legacy_dcp, remote
+from lightning_ckpt.errors import CheckpointError, MissingDependencyError
 from lightning_ckpt.io import DEFAULT_MAX_SHARD_SIZE, load_checkpoint, save_checkpoint, verify_checkpoint
+from lightning_ckpt.manifest import Manifest
 from lightning_ckpt.plan import dtype_name, encode_checkpoint
 from lightning_ckpt.reader import read_manifest
 
 _FORMAT_TORCH = "torch"  # a single file written by torch.save
 _FORMAT_DCP = "dcp"  # a stock torch.distributed.checkpoint folder
 _CONVERT_TARGETS = ("directory", "file")
+_STORAGE_OPTIONS_EXAMPLE = """For example: --storage-options '{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}'."""
 
 
 def _human(n: float) -> str:
@@ -57,18 +70,45 @@ def _int_or_none(value: Any) -> int | None:
     return value if type(value) is int else None
 
 
+def _storage_options(text: str) -> dict[str, Any]:
+    """``--storage-options``: a JSON object (argparse reports the option's name with the message)."""
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err}): {text!r}. {_STORAGE_OPTIONS_EXAMPLE}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}. {_STORAGE_OPTIONS_EXAMPLE}")
+    return value
+
+
+def _local(path: str) -> str:
+    """A local path as the filesystem calls take it (``file://`` is local: fsspec's own spelling)."""
+    return path.removeprefix("file://")
+
+
 # ----------------------------------------------------------------------------------------------
 # Description: one JSON-ready dict per checkpoint, whatever its format
 
 
-def _describe(path: str) -> dict[str, Any]:
+def _describe(path: str, options: remote.RemoteOptions) -> dict[str, Any]:
+    if remote.is_remote(path):
+        return _describe_remote(path, options)
+    path = _local(path)
     if os.path.isdir(path):
         return _describe_dcp(path) if legacy_dcp.is_dcp_checkpoint(path) else _describe_directory(path)
     return _describe_file(path)
 
 
+def _describe_remote(url: str, options: remote.RemoteOptions) -> dict[str, Any]:
+    manifest, _, folder = remote.read_manifest(url, options)  # CURRENT and the manifest: no shard is read
+    return {**_describe_manifest(url, manifest), "generation": folder.rstrip("/").rsplit("/", 1)[-1]}
+
+
 def _describe_directory(path: str) -> dict[str, Any]:
-    manifest = read_manifest(path)
+    return _describe_manifest(path, read_manifest(path))
+
+
+def _describe_manifest(path: str, manifest: Manifest) -> dict[str, Any]:
     tensors = []
     for t in manifest.tensors:
         row = {"component": t.component, "path": list(t.path), "dtype": t.dtype, "shape": list(t.shape), "file": t.file}
@@ -172,8 +212,8 @@ def _json_value(value: Any) -> Any:
 # Commands
 
 
-def _inspect(path: str, console: Console, as_json: bool) -> int:
-    doc = _describe(path)
+def _inspect(path: str, options: remote.RemoteOptions, console: Console, as_json: bool) -> int:
+    doc = _describe(path, options)
     if as_json:
         sys.stdout.write(json.dumps(doc, indent=1, default=_json_value) + "\n")
         return 0
@@ -181,16 +221,17 @@ def _inspect(path: str, console: Console, as_json: bool) -> int:
     if doc["format"] == _FORMAT_DCP:
         version = f" v{doc['format_version']}" if doc["format_version"] else ""
         console.print(
-            f"[bold]{path}[/bold]\nstock DCP checkpoint (torch.distributed.checkpoint{version}) · epoch {epoch}"
+            f"[bold]{escape(path)}[/bold]\nstock DCP checkpoint (torch.distributed.checkpoint{version}) · epoch {epoch}"
             f" · step {step} · {total} in {count} files\nno checksums: `python -m lightning_ckpt convert {path} DST` makes a"
             " checksummed lightning_ckpt checkpoint of it"
         )
     elif doc["format"] == _FORMAT_TORCH:
-        console.print(f"[bold]{path}[/bold]\nsingle-file checkpoint · epoch {epoch} · step {step} · {total}")
+        console.print(f"[bold]{escape(path)}[/bold]\nsingle-file checkpoint · epoch {epoch} · step {step} · {total}")
     else:
         created = ", ".join(f"{k} {v}" for k, v in sorted(doc["created_by"].items()))
+        where = f"remote checkpoint, generation {doc['generation']} · " if "generation" in doc else ""
         console.print(
-            f"[bold]{path}[/bold]\nformat v{doc['format_version']} · epoch {epoch} · step {step} · {total} in"
+            f"[bold]{escape(path)}[/bold]\n{where}format v{doc['format_version']} · epoch {epoch} · step {step} · {total} in"
             f" {count} files + manifest\nwritten by {created}"
         )
     if "keys" in doc:
@@ -247,24 +288,49 @@ def _files_table(doc: dict[str, Any]) -> Table:
     return table
 
 
-def _verify(path: str, console: Console) -> int:
+def _verify(path: str, options: remote.RemoteOptions, console: Console) -> int:
+    if remote.is_remote(path):
+        manifest = verify_checkpoint(path, storage_options=dict(options.storage_options))
+        console.print(
+            f"[green]OK[/green] {escape(path)}: {len(manifest.files)} objects + manifest, {_human(manifest.total_bytes)},"
+            " all checksums match",
+            soft_wrap=True,  # one line, whatever the URL's length: it is grepped for
+        )
+        return 0
+    path = _local(path)
     if not os.path.isdir(path) or legacy_dcp.is_dcp_checkpoint(path):
         load_checkpoint(path, weights_only=True)
         kind = "stock DCP checkpoint" if os.path.isdir(path) else "single-file checkpoint"
-        console.print(f"[yellow]{path}: {kind}: it loads, but it carries no checksums to verify.")
+        console.print(f"[yellow]{escape(path)}: {kind}: it loads, but it carries no checksums to verify.")
         return 0
     manifest = verify_checkpoint(path)
-    console.print(f"[green]OK[/green] {path}: {len(manifest.files)} files + manifest, {_human(manifest.total_bytes)}, all checksums match")
+    console.print(
+        f"[green]OK[/green] {escape(path)}: {len(manifest.files)} files + manifest, {_human(manifest.total_bytes)}, all checksums match",
+        soft_wrap=True,
+    )
     return 0
 
 
-def _convert(src: str, dst: str, unsafe: bool, max_shard_size: str, to: str | None, console: Console) -> int:
-    if os.path.exists(dst):
-        console.print(f"[red]error:[/red] destination {dst!r} exists; choose a new path.")
+def _convert(
+    src: str, dst: str, unsafe: bool, max_shard_size: str, to: str | None, options: remote.RemoteOptions, console: Console
+) -> int:
+    remote_src, remote_dst = remote.is_remote(src), remote.is_remote(dst)
+    src = src if remote_src else _local(src)
+    dst = dst if remote_dst else _local(dst)
+    if remote_dst and to == "file":
+        console.print(
+            f"[red]error:[/red] --to file: a remote destination ({escape(repr(dst))}) is always a lightning_ckpt checkpoint"
+            " directory (published as a new generation). Drop --to, or convert to a local file.",
+            highlight=False,
+        )
+        return 2
+    if _exists(dst, options):  # before loading: a missing fsspec implementation fails here, fast
+        console.print(f"[red]error:[/red] destination {escape(repr(dst))} exists; choose a new path.", highlight=False)
         return 2
     if to is None:  # the other form: our directories become files, files and DCP folders directories
-        to = "file" if os.path.isdir(src) and not legacy_dcp.is_dcp_checkpoint(src) else "directory"
-    checkpoint = load_checkpoint(src, weights_only=not unsafe)
+        ours = remote_src or (os.path.isdir(src) and not legacy_dcp.is_dcp_checkpoint(src))
+        to = "file" if ours and not remote_dst else "directory"
+    checkpoint = load_checkpoint(src, weights_only=not unsafe, storage_options=dict(options.storage_options))
     if to == "file":
         tmp = f"{dst}.lckpt-convert-{os.getpid()}"
         with open(tmp, "wb") as f:
@@ -272,32 +338,59 @@ def _convert(src: str, dst: str, unsafe: bool, max_shard_size: str, to: str | No
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, dst)
-        console.print(f"wrote single-file checkpoint {dst} ({_human(os.path.getsize(dst))})")
+        console.print(f"wrote single-file checkpoint {dst} ({_human(os.path.getsize(dst))})", highlight=False, soft_wrap=True)
+    elif remote_dst:
+        result = save_checkpoint(checkpoint, dst, max_shard_size, storage_options=dict(options.storage_options))
+        console.print(
+            f"published remote checkpoint {dst} ({_human(result.nbytes)} in {result.files} files)",
+            highlight=False,
+            soft_wrap=True,
+        )
     else:
         result = save_checkpoint(checkpoint, dst, max_shard_size)
-        console.print(f"wrote checkpoint directory {dst} ({_human(result.nbytes)} in {result.files} files)")
+        console.print(f"wrote checkpoint directory {dst} ({_human(result.nbytes)} in {result.files} files)", soft_wrap=True)
     return 0
+
+
+def _exists(path: str, options: remote.RemoteOptions) -> bool:
+    """Anything at ``path``: for a URL, any object under it (a checkpoint of ours or not)."""
+    if not remote.is_remote(path):
+        return os.path.exists(path)
+    fs, root = options.filesystem(path)
+    return bool(fs.exists(root))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_ckpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-    inspect = commands.add_parser("inspect", help="show what a checkpoint holds")
-    inspect.add_argument("path")
-    inspect.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
-    commands.add_parser("verify", help="check every file's checksum").add_argument("path")
-    convert = commands.add_parser(
-        "convert", help="between a lightning_ckpt directory and a single-file .ckpt; a stock DCP folder to either"
+    with_urls = argparse.ArgumentParser(add_help=False)
+    with_urls.add_argument(
+        "--storage-options",
+        type=_storage_options,
+        default={},
+        metavar="JSON",
+        help="a JSON object passed to the fsspec filesystem of every URL argument (credentials, endpoint_url ...)",
     )
-    convert.add_argument("src")
-    convert.add_argument("dst")
+    commands = parser.add_subparsers(dest="command", required=True)
+    inspect = commands.add_parser("inspect", help="show what a checkpoint holds", parents=[with_urls])
+    inspect.add_argument("path", help="a checkpoint path or fsspec URL")
+    inspect.add_argument("--json", action="store_true", help="print one machine-readable JSON document")
+    verify = commands.add_parser("verify", help="check every file's checksum", parents=[with_urls])
+    verify.add_argument("path", help="a checkpoint path or fsspec URL")
+    convert = commands.add_parser(
+        "convert",
+        help="between a lightning_ckpt directory and a single-file .ckpt; a stock DCP folder to either; to or from a URL",
+        parents=[with_urls],
+    )
+    convert.add_argument("src", help="a checkpoint path or fsspec URL")
+    convert.add_argument("dst", help="a new path, or an fsspec URL with nothing under it")
     convert.add_argument(
         "--to",
         choices=_CONVERT_TARGETS,
         default=None,
-        help="what DST becomes (default: a directory from a file or DCP folder, a file from a directory)",
+        help="what DST becomes (default: a directory from a file or DCP folder, a file from a directory;"
+        " always a directory at a URL)",
     )
     convert.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE)
     convert.add_argument(
@@ -310,20 +403,42 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = parser.parse_args(argv)
+    options = remote.RemoteOptions(storage_options=args.storage_options)
     console = Console()
     err = Console(stderr=True)
     try:
         if args.command == "inspect":
-            return _inspect(args.path, console, args.json)
+            return _inspect(args.path, options, console, args.json)
         if args.command == "verify":
-            return _verify(args.path, console)
-        return _convert(args.src, args.dst, args.unsafe, args.max_shard_size, args.to, console)
+            return _verify(args.path, options, console)
+        return _convert(args.src, args.dst, args.unsafe, args.max_shard_size, args.to, options, console)
+    except MissingDependencyError as error:  # an fsspec implementation to install: bad usage, not damage
+        err.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
+        return 2
     except CheckpointError as error:
-        err.print(f"[red]error:[/red] {error}", markup=True, highlight=False)
+        err.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
         file = getattr(error, "file", None)
-        if file:
+        if file and error.path is not None and remote.is_remote(error.path):
+            # The object lies in a generation folder under the URL, which the error does not carry.
+            err.print(f"damaged object: {file} (of {error.path})", highlight=False)
+        elif file:
             err.print(f"damaged file: {os.path.join(error.path or '', file)}", highlight=False)
         return 1
     except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as error:
-        err.print(f"[red]error:[/red] {error}", highlight=False)
+        err.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
+        return 1
+    except Exception as error:
+        # Object-store clients raise their own types (botocore's NoCredentialsError and
+        # EndpointConnectionError, TypeError for an option the client does not take): with a URL
+        # argument these are the user's setup, not a bug of ours, so no traceback. Without one, raise.
+        given = (getattr(args, "path", None), getattr(args, "src", None), getattr(args, "dst", None))
+        urls = [p for p in given if p is not None and remote.is_remote(p)]
+        if not urls:
+            raise
+        err.print(f"[red]error:[/red] {type(error).__name__}: {escape(str(error))}", highlight=False)
+        err.print(
+            f"HINT: raised by the fsspec filesystem of {escape(' and '.join(urls))}: check the URL, the credentials, and"
+            " --storage-options (passed to that filesystem as keyword arguments).",
+            highlight=False,
+        )
         return 1
