@@ -272,6 +272,12 @@ class ShardedCheckpointIO(CheckpointIO):
         upload_part_size: size of each part of a multipart upload (and of each read of a
             download); memory for uploads is about ``upload_concurrency`` times this.
         upload_concurrency: objects uploaded or downloaded at once.
+        compression: remote checkpoints only: store shard files zstd-compressed (``"zstd"``: all
+            components; ``{"optimizer": "zstd"}``: those named). Compressed while uploading and
+            decompressed while downloading, each file checked against its manifest digest; local
+            checkpoints and the local tier stay plain safetensors. Needs ``zstandard``
+            (``pip install 'lightning-ckpt[zstd]'``). ``None`` (default): stored as they are.
+        compression_level: the zstd level (1 fastest ... 19; 3 is zstd's default).
 
     Call order and ranks: Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0
     only, ``load_checkpoint`` and ``teardown`` on every rank; none of them runs a collective.
@@ -296,6 +302,8 @@ class ShardedCheckpointIO(CheckpointIO):
         local_keep: int = 1,
         upload_part_size: int | str = "64MiB",
         upload_concurrency: int = remote.DEFAULT_CONCURRENCY,
+        compression: Optional[str | dict[str, str]] = None,
+        compression_level: int = 3,
     ) -> None:
         super().__init__()
         if isinstance(local_keep, bool) or not isinstance(local_keep, int) or local_keep < 1:
@@ -307,12 +315,22 @@ class ShardedCheckpointIO(CheckpointIO):
             raise ValueError(f"`upload_part_size={upload_part_size!r}` is below 5 MiB, the smallest part S3 accepts.")
         if local_dir is not None and remote.is_remote(local_dir):
             raise ValueError(f"`local_dir={local_dir!r}` must be a local folder (it is the fast tier in front of the remote).")
+        codecs = {"*": compression} if isinstance(compression, str) else dict(compression or {})
+        for component, encoding in codecs.items():
+            if encoding not in remote.ENCODINGS:
+                raise ValueError(f"`compression={compression!r}`: {encoding!r} for {component!r} is not one of {sorted(remote.ENCODINGS)}.")
+        if codecs:
+            remote._zstd()  # a missing zstandard is reported now, not at the first upload
+        if isinstance(compression_level, bool) or not isinstance(compression_level, int) or not 1 <= compression_level <= 22:
+            raise ValueError(f"`compression_level={compression_level!r}` must be an int from 1 to 22.")
         self.remote = remote.RemoteOptions(
             dict(storage_options or {}),
             part_size,
             upload_concurrency,
             None if local_dir is None else os.path.abspath(os.fspath(local_dir)),
             local_keep,
+            codecs,
+            compression_level,
         )
         self._uploader = remote.Uploader()
         self.max_shard_size = parse_size(max_shard_size, "max_shard_size")

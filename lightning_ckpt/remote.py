@@ -40,7 +40,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import fsspec
 from fsspec.spec import AbstractFileSystem
@@ -65,6 +65,8 @@ _LOCAL_PROTOCOLS = ("file", "local")
 # The extra of this package that installs each protocol's fsspec implementation.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 _PROCESS_STARTED_MS = int(time.time() * 1000)
+ENCODINGS = {"zstd": ".zst"}
+_cleaned: set[tuple[Any, str]] = set()  # (protocol, folder) already rid of orphans by this process  # how a file may be stored remotely -> the suffix of its object
 
 
 def is_remote(path: Any) -> bool:
@@ -86,6 +88,11 @@ class RemoteOptions:
     concurrency: int = DEFAULT_CONCURRENCY
     local_dir: str | None = None
     local_keep: int = 1
+    compression: Mapping[str, str] = field(default_factory=dict)  # component (or "*") -> encoding
+    compression_level: int = 3
+
+    def encoding_of(self, component: str) -> str | None:
+        return self.compression.get(component, self.compression.get("*"))
 
     def filesystem(self, url: str) -> tuple[AbstractFileSystem, str]:
         """The fsspec filesystem of ``url`` and the path inside it; a clear error naming the
@@ -133,23 +140,60 @@ def _discard(stream: Any) -> None:
         pass  # best effort: an upload left behind is aborted by ``clean_orphans``
 
 
-def _upload(fs: AbstractFileSystem, fd: int, local_file: str, remote_file: str, record: fmt.FileRecord, algorithm: str, part_size: int) -> None:
-    """Stream the local file open as ``fd`` to ``remote_file`` through one part-sized buffer; the
-    object appears whole when its digest matched the manifest's, or not at all."""
+class _Codec(Protocol):
+    def __call__(self, data: Any, /) -> bytes: ...
+
+
+def _zstd() -> Any:
+    try:
+        import zstandard
+    except ImportError as err:
+        raise MissingDependencyError(
+            f"Compressed checkpoints need the zstandard package ({err}). Fix: pip install 'lightning-ckpt[zstd]'."
+        ) from err
+    return zstandard
+
+
+def _encoder(encoding: str | None, level: int) -> tuple[_Codec, Callable[[], bytes]]:
+    """(feed, finish) of a streaming encoder: identity, or one zstd frame with its content checksum."""
+    if encoding is None:
+        return bytes, lambda: b""
+    compressor = _zstd().ZstdCompressor(level=level, write_checksum=True).compressobj()
+    return compressor.compress, compressor.flush
+
+
+def _decoder(encoding: str | None) -> _Codec:
+    if encoding is None:
+        return bytes
+    return _zstd().ZstdDecompressor().decompressobj().decompress
+
+
+def _upload(
+    fs: AbstractFileSystem, fd: int, local_file: str, remote_file: str, record: fmt.FileRecord, algorithm: str,
+    part_size: int, encoding: str | None = None, level: int = 3,
+) -> int:
+    """Stream the local file open as ``fd`` to ``remote_file`` (``encoding``: compressed on the
+    way) through one part-sized buffer; the object appears whole when the file's digest matched
+    the manifest's, or not at all. Returns the object's size."""
     digest = fmt.hasher(algorithm)
     buffer = bytearray(min(part_size, 16 * 2**20))
     view = memoryview(buffer)
-    written = 0
+    feed, finish = _encoder(encoding, level)
+    read = stored = 0
     stream = fs.open(remote_file, "wb", block_size=part_size)
     try:
-        while n := os.preadv(fd, [buffer], written):
+        while n := os.preadv(fd, [buffer], read):
             digest.update(view[:n])
-            stream.write(view[:n])
-            written += n
+            out = view[:n] if encoding is None else feed(view[:n])
+            stream.write(out)
+            read, stored = read + n, stored + len(out)
+        tail = finish()
+        stream.write(tail)
+        stored += len(tail)
         found = digest.hexdigest()
-        if written != record.size or found != record.digest:
+        if read != record.size or found != record.digest:
             raise CorruptCheckpointError(
-                f"{local_file!r} changed on local disk after it was written (size {written} against {record.size},"
+                f"{local_file!r} changed on local disk after it was written (size {read} against {record.size},"
                 f" {algorithm} {found} against {record.digest}); refusing to upload it.",
                 local_file,
             )
@@ -157,35 +201,51 @@ def _upload(fs: AbstractFileSystem, fd: int, local_file: str, remote_file: str, 
     except BaseException:
         _discard(stream)
         raise
+    return stored
 
 
-def _download(fs: AbstractFileSystem, remote_file: str, local_file: str | None, record: fmt.FileRecord, algorithm: str, part_size: int, url: str, name: str) -> None:
-    """Stream ``remote_file`` into ``local_file`` (``None``: only hash it) and check it against
-    the manifest; ``CorruptCheckpointError`` naming the object when it differs."""
+def _download(
+    fs: AbstractFileSystem, remote_file: str, local_file: str | None, record: fmt.FileRecord, algorithm: str,
+    part_size: int, url: str, name: str, encoding: str | None = None,
+) -> None:
+    """Stream ``remote_file`` (decompressing it, with ``encoding``) into ``local_file`` (``None``:
+    only hash it) and check it against the manifest; ``CorruptCheckpointError`` naming the object
+    when it differs."""
     digest = fmt.hasher(algorithm)
-    read = 0
+    decode = _decoder(encoding)
+    size = 0
     sink = open(local_file, "wb") if local_file is not None else None
     try:
         with fs.open(remote_file, "rb", block_size=part_size, cache_type="none") as source:
             while chunk := source.read(part_size):
-                digest.update(chunk)
+                try:
+                    data = decode(chunk)
+                except Exception as err:  # zstd: a damaged frame
+                    raise CorruptCheckpointError(
+                        f"{url!r}: object {name!r} (stored as {remote_file!r}) does not decompress ({err}); the remote checkpoint is damaged."
+                        " Resume from another checkpoint.",
+                        url,
+                        name,
+                    ) from err
+                digest.update(data)
                 if sink is not None:
-                    sink.write(chunk)
-                read += len(chunk)
+                    sink.write(data)
+                size += len(data)
     finally:
         if sink is not None:
             sink.close()
     found = digest.hexdigest()
-    if read != record.size:
+    if size != record.size:
         raise CorruptCheckpointError(
-            f"{url!r}: object {name!r} has {read} bytes, the manifest says {record.size}; the remote checkpoint is"
+            f"{url!r}: object {name!r} (stored as {remote_file!r}) holds {size} bytes, the manifest says {record.size}; the remote checkpoint is"
             " damaged. Resume from another checkpoint.",
             url,
             name,
         )
     if found != record.digest:
         raise CorruptCheckpointError(
-            f"{url!r}: checksum mismatch in object {name!r} ({algorithm}: expected {record.digest}, found {found});"
+            f"{url!r}: checksum mismatch in object {name!r} (stored as {remote_file!r}; {algorithm}: expected"
+            f" {record.digest}, found {found});"
             " the remote checkpoint is damaged. Resume from another checkpoint.",
             url,
             name,
@@ -226,12 +286,15 @@ def _parallel(jobs: list[Callable[[], None]], concurrency: int) -> None:
 # The pointer: the commit of a remote checkpoint.
 
 
-def _pointer_bytes(generation: str, manifest_bytes: bytes) -> bytes:
+def _pointer_bytes(generation: str, manifest_bytes: bytes, objects: dict[str, dict[str, Any]]) -> bytes:
+    """``objects``: the files stored encoded, ``{file: {"encoding": "zstd", "size": object bytes}}``
+    (the object is named ``<file>.zst``); every other file is stored as it is, under its own name."""
     body = {
         "format": POINTER_FORMAT,
         "version": POINTER_VERSION,
         "generation": generation,
         "manifest": {"size": len(manifest_bytes), "digest": fmt.digest(manifest_bytes)},
+        "objects": objects,
     }
     return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
 
@@ -250,6 +313,8 @@ def read_pointer(fs: AbstractFileSystem, root: str, url: str) -> dict[str, Any] 
             and _GENERATION.fullmatch(body.get("generation", "")) is not None
             and isinstance(body["manifest"]["size"], int)
             and isinstance(body["manifest"]["digest"], str)
+            and isinstance(body.get("objects", {}), dict)
+            and all(o.get("encoding") in ENCODINGS and isinstance(o.get("size"), int) for o in body.get("objects", {}).values())
         )
     except (ValueError, TypeError, KeyError, AttributeError):
         ok = False
@@ -268,8 +333,34 @@ def _not_found(url: str) -> CheckpointNotFoundError:
     )
 
 
+@dataclass(frozen=True)
+class Committed:
+    """The committed generation of a remote checkpoint, as ``CURRENT`` and its manifest describe it."""
+
+    manifest: fmt.Manifest
+    manifest_bytes: bytes
+    folder: str  # the generation's path inside the filesystem
+    generation: str
+    objects: dict[str, dict[str, Any]]  # encoded files: {"encoding", "size"} (see ``_pointer_bytes``)
+
+    def object_of(self, name: str) -> tuple[str, str | None]:
+        """(path of the object holding file ``name``, its encoding or ``None``)."""
+        encoding = self.objects.get(name, {}).get("encoding")
+        return f"{self.folder}/{name}{ENCODINGS[encoding] if encoding else ''}", encoding
+
+    def stored_bytes(self) -> int:
+        """Bytes the generation's objects take (encoded files at their encoded size)."""
+        return sum(self.objects[n]["size"] if n in self.objects else r.size for n, r in self.manifest.files.items()) + len(self.manifest_bytes)
+
+
 def read_manifest(url: str, options: RemoteOptions) -> tuple[fmt.Manifest, bytes, str]:
     """The committed manifest of the remote checkpoint at ``url``: (manifest, its bytes, generation folder)."""
+    committed = read_committed(url, options)
+    return committed.manifest, committed.manifest_bytes, committed.folder
+
+
+def read_committed(url: str, options: RemoteOptions) -> Committed:
+    """What ``CURRENT`` of the remote checkpoint at ``url`` names, its manifest checked against it."""
     fs, root = options.filesystem(url)
     for attempt in range(_ATTEMPTS):
         pointer = read_pointer(fs, root, url)
@@ -285,7 +376,7 @@ def read_manifest(url: str, options: RemoteOptions) -> tuple[fmt.Manifest, bytes
         if len(data) != pointer["manifest"]["size"] or fmt.digest(data) != pointer["manifest"]["digest"]:
             raise CorruptCheckpointError(f"{url!r}: the manifest of {pointer['generation']!r} does not match {CURRENT_FILE}; the remote checkpoint is damaged.", url, fmt.MANIFEST_FILE)
         manifest = fmt.Manifest.from_bytes(data, where=url)
-        return manifest, data, folder
+        return Committed(manifest, data, folder, pointer["generation"], pointer.get("objects", {}))
     raise AssertionError("unreachable")
 
 
@@ -316,18 +407,38 @@ def publish(local: str, url: str, options: RemoteOptions) -> Published:
     manifest_bytes, manifest, fds = _open_committed(local)
     generation = new_generation()
     folder = f"{root}/{generation}"
+    parent = root.rsplit("/", 1)[0] if "/" in root else root
     try:
-        clean_orphans(fs, root.rsplit("/", 1)[0] if "/" in root else root)
+        if (fs.protocol, parent) not in _cleaned:  # orphans come from earlier processes: once per process
+            clean_orphans(fs, parent)
+            _cleaned.add((fs.protocol, parent))
         fs.makedirs(folder, exist_ok=True)  # a no-op on object stores
+        encodings = {
+            name: encoding
+            for component, names in manifest.components.items()
+            if (encoding := options.encoding_of(component)) is not None
+            for name in names
+        }
+        objects: dict[str, dict[str, Any]] = {}
+
+        def upload(name: str, record: fmt.FileRecord) -> None:
+            encoding = encodings.get(name)
+            target = f"{folder}/{name}{ENCODINGS[encoding] if encoding else ''}"
+            size = _upload(fs, fds[name], os.path.join(local, name), target, record, manifest.checksum, options.part_size, encoding, options.compression_level)
+            if encoding is not None:
+                objects[name] = {"encoding": encoding, "size": size}
+
         jobs = [
-            _job(_upload, fs, fds[name], os.path.join(local, name), f"{folder}/{name}", record, manifest.checksum, options.part_size, what=f"Uploading {name!r}")
+            _job(upload, name, record, what=f"Uploading {name!r}")
             for name, record in sorted(manifest.files.items(), key=lambda item: -item[1].size)  # largest first
         ]
         _parallel(jobs, options.concurrency)
+        pointer = _pointer_bytes(generation, manifest_bytes, dict(sorted(objects.items())))
         _retried(lambda: fs.pipe_file(f"{folder}/{fmt.MANIFEST_FILE}", manifest_bytes), "Uploading the manifest")
-        _retried(lambda: fs.pipe_file(f"{root}/{CURRENT_FILE}", _pointer_bytes(generation, manifest_bytes)), f"Writing {CURRENT_FILE}")
+        _retried(lambda: fs.pipe_file(f"{root}/{CURRENT_FILE}", pointer), f"Writing {CURRENT_FILE}")
     except BaseException as err:
         _remove_quietly(fs, folder)
+        _cleaned.discard((fs.protocol, parent))  # what this save could not remove, the next one does
         if isinstance(err, (OSError, CheckpointError, RuntimeError, ValueError)):
             raise CheckpointWriteError(
                 f"Uploading checkpoint {url!r} failed: {str(err).rstrip('.')}. Nothing was committed; the checkpoint"
@@ -341,7 +452,8 @@ def publish(local: str, url: str, options: RemoteOptions) -> Published:
     # Committed. Older generations are garbage now; failing to delete them does not fail the save
     # (the next save of this URL, or of its folder from a later process, removes them).
     _remove_other_generations(fs, root, keep=generation)
-    return Published(url, generation, manifest.total_bytes + len(manifest_bytes), time.perf_counter() - start, len(manifest.files) + 1, fmt.digest(manifest_bytes))
+    stored = sum(objects[n]["size"] if n in objects else r.size for n, r in manifest.files.items()) + len(manifest_bytes)
+    return Published(url, generation, stored, time.perf_counter() - start, len(manifest.files) + 1, fmt.digest(manifest_bytes))
 
 
 def _job(function: Callable[..., None], *args: Any, what: str) -> Callable[[], None]:
@@ -443,21 +555,18 @@ def fetch(url: str, options: RemoteOptions, dest: str) -> str:
 
     fs, root = options.filesystem(url)
     for attempt in range(_ATTEMPTS):
-        manifest, data, folder = read_manifest(url, options)
+        committed = read_committed(url, options)
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         tmp = writer.TempDir(dest)
         try:
-            jobs = [
-                _job(_download, fs, f"{folder}/{name}", os.path.join(tmp.path, name), record, manifest.checksum, options.part_size, url, name, what=f"Downloading {name!r}")
-                for name, record in manifest.files.items()
-            ]
-            _parallel(jobs, options.concurrency)
+            _parallel(_download_jobs(fs, committed, options, url, tmp.path), options.concurrency)
             with open(os.path.join(tmp.path, fmt.MANIFEST_FILE), "wb") as f:
-                f.write(data)
+                f.write(committed.manifest_bytes)
             writer.commit(tmp.path, dest)
         except FileNotFoundError:
             tmp.release(remove=True)
-            if attempt + 1 < _ATTEMPTS and read_pointer(fs, root, url) is not None:
+            pointer = read_pointer(fs, root, url)
+            if attempt + 1 < _ATTEMPTS and pointer is not None and pointer["generation"] != committed.generation:
                 continue  # the generation was replaced while we read: fetch the new one
             raise CorruptCheckpointError(f"{url!r}: an object the manifest lists is missing; the remote checkpoint is damaged.", url) from None
         except BaseException:
@@ -471,17 +580,32 @@ def fetch(url: str, options: RemoteOptions, dest: str) -> str:
 def verify(url: str, options: RemoteOptions) -> fmt.Manifest:
     """Hash every object of the committed checkpoint at ``url`` against its manifest (nothing is
     stored locally); raise ``CorruptCheckpointError`` naming a damaged object."""
-    fs, _ = options.filesystem(url)
-    manifest, _, folder = read_manifest(url, options)
-    jobs = [
-        _job(_download, fs, f"{folder}/{name}", None, record, manifest.checksum, options.part_size, url, name, what=f"Reading {name!r}")
-        for name, record in manifest.files.items()
-    ]
-    try:
-        _parallel(jobs, options.concurrency)
-    except FileNotFoundError as err:
-        raise CorruptCheckpointError(f"{url!r}: an object the manifest lists is missing ({err}); the remote checkpoint is damaged.", url) from err
-    return manifest
+    fs, root = options.filesystem(url)
+    for attempt in range(_ATTEMPTS):
+        committed = read_committed(url, options)
+        try:
+            _parallel(_download_jobs(fs, committed, options, url, None), options.concurrency)
+        except FileNotFoundError as err:
+            pointer = read_pointer(fs, root, url)
+            if attempt + 1 < _ATTEMPTS and pointer is not None and pointer["generation"] != committed.generation:
+                continue  # replaced by a newer save while we read: check that one
+            raise CorruptCheckpointError(
+                f"{url!r}: an object of {committed.generation!r} that the manifest lists is missing ({err}); the remote"
+                " checkpoint is damaged.",
+                url,
+            ) from err
+        return committed.manifest
+    raise AssertionError("unreachable")
+
+
+def _download_jobs(fs: AbstractFileSystem, committed: Committed, options: RemoteOptions, url: str, into: str | None) -> list[Callable[[], None]]:
+    """A job per file of ``committed``: stream its object into folder ``into`` (``None``: only check it)."""
+    jobs = []
+    for name, record in committed.manifest.files.items():
+        path, encoding = committed.object_of(name)
+        local = None if into is None else os.path.join(into, name)
+        jobs.append(_job(_download, fs, path, local, record, committed.manifest.checksum, options.part_size, url, name, encoding, what=f"Reading {name!r}"))
+    return jobs
 
 
 def exists(url: str, options: RemoteOptions) -> bool:
@@ -627,7 +751,7 @@ def _local_copy_is_current(local: str, url: str, options: RemoteOptions) -> bool
                 return True
     except (OSError, ValueError):
         pass
-    remote, _, _ = read_manifest(url, options)
+    remote = read_committed(url, options).manifest
     mine = reader.read_manifest(local)
     # Not the published one: the newer of the two (a local save whose upload did not finish, or
     # a remote one written elsewhere); on a tie the remote, which is committed where it matters.

@@ -100,7 +100,7 @@ def test_verify_and_load_name_a_corrupted_object(memory_fs):
     data[-5] ^= 0xFF
     memory_fs.pipe_file(shard, bytes(data))
     name = shard.rsplit("/", 1)[1]
-    with pytest.raises(CorruptCheckpointError, match=f"checksum mismatch in object '{name}'") as raised:
+    with pytest.raises(CorruptCheckpointError, match=f"checksum mismatch in object '{name}' \\(stored as '.*/gen-") as raised:
         verify_checkpoint(url)
     assert raised.value.file == name
     with pytest.raises(CorruptCheckpointError, match=name):
@@ -132,7 +132,8 @@ def test_orphaned_generations_from_an_earlier_process_are_cleaned(memory_fs, mon
     old = f"gen-{int(time.time() * 1000) - 60_000:013d}-0badc0de"
     memory_fs.pipe_file(f"/bucket/run/b.ckpt/{old}/model-00001-of-00001.safetensors", b"partial")  # never committed
     memory_fs.pipe_file(f"/bucket/run/a.ckpt/{old}/metadata.json", b"{}")  # a stale one beside a committed one
-    monkeypatch.setattr(remote, "_PROCESS_STARTED_MS", int(time.time() * 1000))
+    monkeypatch.setattr(remote, "_PROCESS_STARTED_MS", int(time.time() * 1000))  # as if a new process
+    monkeypatch.setattr(remote, "_cleaned", set())
     save_checkpoint(_state(2), "memory://bucket/run/c.ckpt")
     assert memory_fs.find("/bucket/run/b.ckpt") == []
     assert not any(old in p for p in memory_fs.find("/bucket/run/a.ckpt"))
@@ -238,3 +239,47 @@ def test_bad_arguments_are_clear(tmp_path):
         ShardedCheckpointIO(local_dir="s3://bucket/tier")
     with pytest.raises(ValueError, match="upload_concurrency"):
         ShardedCheckpointIO(upload_concurrency=0)
+
+
+def test_compressed_components_roundtrip_and_are_recorded(memory_fs, tmp_path):
+    pytest.importorskip("zstandard")
+    url = "memory://bucket/run/z.ckpt"
+    state = _state(4)
+    state["optimizer_states"][0]["state"][0]["exp_avg"] = torch.zeros(256, 256)  # compresses well
+    io = ShardedCheckpointIO(compression={"optimizer": "zstd"})
+    io.save_checkpoint(state, url)
+    committed = remote.read_committed(url, io.remote)
+    optimizer_files = committed.manifest.components["optimizer"]
+    assert set(committed.objects) == set(optimizer_files)
+    for name in optimizer_files:
+        assert memory_fs.exists(f"{committed.folder}/{name}.zst") and not memory_fs.exists(f"{committed.folder}/{name}")
+        assert committed.objects[name]["size"] < committed.manifest.files[name].size / 10
+    for name in committed.manifest.components["model"]:  # not opted in: plain safetensors
+        assert name not in committed.objects and memory_fs.exists(f"{committed.folder}/{name}")
+    assert committed.stored_bytes() < committed.manifest.total_bytes
+    assert _equal(io.load_checkpoint(url), state)
+    assert verify_checkpoint(url).global_step == 4
+    io.teardown()
+
+
+def test_a_damaged_compressed_object_is_named(memory_fs):
+    pytest.importorskip("zstandard")
+    url = "memory://bucket/run/z.ckpt"
+    io = ShardedCheckpointIO(compression="zstd")
+    io.save_checkpoint(_state(1), url)
+    committed = remote.read_committed(url, io.remote)
+    name = committed.manifest.components["model"][0]
+    path = f"{committed.folder}/{name}.zst"
+    data = bytearray(memory_fs.cat_file(path))
+    data[len(data) // 2] ^= 0xFF
+    memory_fs.pipe_file(path, bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=name):
+        verify_checkpoint(url)
+    io.teardown()
+
+
+def test_bad_compression_arguments():
+    with pytest.raises(ValueError, match="'gzip' for '\\*' is not one of"):
+        ShardedCheckpointIO(compression="gzip")
+    with pytest.raises(ValueError, match="compression_level"):
+        ShardedCheckpointIO(compression="zstd", compression_level=0)
