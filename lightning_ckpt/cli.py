@@ -100,8 +100,14 @@ def _describe(path: str, options: remote.RemoteOptions) -> dict[str, Any]:
 
 
 def _describe_remote(url: str, options: remote.RemoteOptions) -> dict[str, Any]:
-    manifest, _, folder = remote.read_manifest(url, options)  # CURRENT and the manifest: no shard is read
-    return {**_describe_manifest(url, manifest), "generation": folder.rstrip("/").rsplit("/", 1)[-1]}
+    committed = remote.read_committed(url, options)  # CURRENT and the manifest: no shard is read
+    doc = {**_describe_manifest(url, committed.manifest), "generation": committed.generation}
+    for row in doc["files"]:  # how each file is stored: compressed ones at their object's size
+        stored = committed.objects.get(row["name"])
+        row["encoding"] = None if stored is None else stored["encoding"]
+        row["stored_bytes"] = row["bytes"] if stored is None else stored["size"]
+    doc["stored_bytes"] = committed.stored_bytes()
+    return doc
 
 
 def _describe_directory(path: str) -> dict[str, Any]:
@@ -230,6 +236,9 @@ def _inspect(path: str, options: remote.RemoteOptions, console: Console, as_json
     else:
         created = ", ".join(f"{k} {v}" for k, v in sorted(doc["created_by"].items()))
         where = f"remote checkpoint, generation {doc['generation']} · " if "generation" in doc else ""
+        if doc.get("stored_bytes", doc["total_bytes"]) != doc["total_bytes"]:
+            ratio = doc["total_bytes"] / max(doc["stored_bytes"], 1)
+            total += f" (stored {_human(doc['stored_bytes'])} compressed, {ratio:.2f}x)"
         console.print(
             f"[bold]{escape(path)}[/bold]\n{where}format v{doc['format_version']} · epoch {epoch} · step {step} · {total} in"
             f" {count} files + manifest\nwritten by {created}"
@@ -278,10 +287,17 @@ def _files_table(doc: dict[str, Any]) -> Table:
     table.add_column("bytes", justify="right")
     if ranks:
         table.add_column("rank", justify="right")
+    encoded = any(f.get("encoding") for f in doc["files"])
+    if encoded:
+        for column in ("stored", "ratio"):
+            table.add_column(column, justify="right")
     if digests:
         table.add_column(doc.get("checksum", "digest"))
     for f in doc["files"]:
         row = [f["name"], _human(f["bytes"])]
+        if encoded:
+            ratio = f"{f['bytes'] / max(f['stored_bytes'], 1):.2f}x {f['encoding']}" if f.get("encoding") else ""
+            row += [_human(f["stored_bytes"]), ratio]
         row += [str(f["rank"])] if ranks else []
         row += [f["digest"] or ""] if digests else []
         table.add_row(*row)

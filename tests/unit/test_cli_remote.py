@@ -193,3 +193,26 @@ def test_file_urls_are_local_paths(tmp_path, capsys):
     assert main(["verify", f"file://{tmp_path / 'c.ckpt'}"]) == 0
     assert main(["convert", f"file://{tmp_path / 'c.ckpt'}", f"file://{tmp_path / 'c.pt'}"]) == 0
     assert torch.load(tmp_path / "c.pt", weights_only=True)["global_step"] == 7
+
+
+def test_inspect_shows_how_compressed_files_are_stored(memory_fs, capsys):
+    pytest.importorskip("zstandard")
+    url = "memory://bucket/run/z.ckpt"
+    state = {
+        "state_dict": {"w": torch.randn(64, 64)},
+        "optimizer_states": [{"state": {0: {"exp_avg_sq": torch.zeros(64, 64)}}, "param_groups": [{"params": [0]}]}],
+        "global_step": 2,
+    }
+    io = lc.ShardedCheckpointIO(compression={"optimizer": "zstd"})
+    io.save_checkpoint(state, url)
+    assert main(["inspect", url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {f["name"]: f for f in doc["files"]}
+    (optimizer,) = doc["components"]["optimizer"]
+    assert rows[optimizer]["encoding"] == "zstd" and rows[optimizer]["stored_bytes"] < rows[optimizer]["bytes"]
+    (model,) = doc["components"]["model"]
+    assert rows[model]["encoding"] is None and rows[model]["stored_bytes"] == rows[model]["bytes"]
+    assert doc["stored_bytes"] < doc["total_bytes"]
+    assert main(["inspect", url]) == 0
+    assert "compressed" in capsys.readouterr().out
+    io.teardown()
