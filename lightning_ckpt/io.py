@@ -23,6 +23,7 @@ from importlib import metadata as importlib_metadata
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, Optional, TypeVar
 
+import fsspec
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -392,6 +393,12 @@ class ShardedCheckpointIO(CheckpointIO):
                 " `ShardedCheckpointIO(storage_options=...)` instead."
             )
         path = _location(path)
+        if self.async_save and remote.is_remote(path) and fsspec.utils.get_protocol(path) == "memory":
+            raise ValueError(
+                f"Cannot save {path!r} with `async_save=True`: a memory:// filesystem lives in one process, and the"
+                " writer process is another, so the checkpoint would never reach this one. Use a synchronous"
+                " ShardedCheckpointIO, or a filesystem both processes reach."
+            )
         self._save(path, lambda: _prepare(checkpoint, self.max_shard_size))
 
     def save_sharded(

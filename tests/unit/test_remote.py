@@ -283,3 +283,10 @@ def test_bad_compression_arguments():
         ShardedCheckpointIO(compression="gzip")
     with pytest.raises(ValueError, match="compression_level"):
         ShardedCheckpointIO(compression="zstd", compression_level=0)
+
+
+def test_async_save_to_memory_is_refused_with_the_reason():
+    io = ShardedCheckpointIO(async_save=True)
+    with pytest.raises(ValueError, match="memory:// filesystem lives in one process"):
+        io.save_checkpoint(_state(1), "memory://bucket/run/x.ckpt")
+    io.teardown()
