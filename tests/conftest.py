@@ -15,3 +15,16 @@ def _isolated(monkeypatch, tmp_path):
     monkeypatch.setenv("PL_DISABLE_FORK", "1")
     monkeypatch.chdir(tmp_path)
     yield
+
+
+@pytest.fixture
+def memory_fs():
+    """fsspec's in-process ``memory://`` filesystem, emptied before and after the test."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.store.clear()
+    fs.pseudo_dirs.clear()
+    fs.pseudo_dirs.append("")
+    yield fs
+    fs.store.clear()

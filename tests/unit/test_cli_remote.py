@@ -20,14 +20,7 @@ URL = "memory://bucket/run/c.ckpt"
 SHARD = "model-00001-of-00001.safetensors"
 
 
-@pytest.fixture(autouse=True)
-def memory_fs():
-    fs = fsspec.filesystem("memory")
-    fs.store.clear()
-    fs.pseudo_dirs.clear()
-    fs.pseudo_dirs.append("")
-    yield fs
-    fs.store.clear()
+pytestmark = pytest.mark.usefixtures("memory_fs")  # tests/conftest.py
 
 
 def _state() -> dict:

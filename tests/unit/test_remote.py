@@ -7,7 +7,6 @@ import json
 import os
 import time
 
-import fsspec
 import pytest
 import torch
 
@@ -26,14 +25,7 @@ from lightning_ckpt import manifest as fmt
 from lightning_ckpt import remote
 
 
-@pytest.fixture(autouse=True)
-def memory_fs():
-    fs = fsspec.filesystem("memory")
-    fs.store.clear()
-    fs.pseudo_dirs.clear()
-    fs.pseudo_dirs.append("")
-    yield fs
-    fs.store.clear()
+pytestmark = pytest.mark.usefixtures("memory_fs")  # tests/conftest.py
 
 
 def _state(step: int, seed: int = 0) -> dict:
