@@ -194,7 +194,9 @@ def ddp(report: str, spread: bool) -> None:
         return run
 
     first = run(2)
-    kept = sorted(os.listdir(folder))
+    # Rank 0 alone reads the folder: its saves (rank 0 writes alone with spread_writes=False) may
+    # still be finishing when the other rank leaves fit, leaving lock files and removals in flight.
+    kept = sorted(n for n in os.listdir(folder) if not n.startswith(".")) if first.is_global_zero else []
     bytes_by_rank: dict[int, int] = {}
     for name in kept:
         manifest = json.load(open(os.path.join(folder, name, "manifest.json")))
