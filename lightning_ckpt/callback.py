@@ -55,6 +55,8 @@ from lightning_ckpt import manifest as fmt
 from lightning_ckpt.compile import install_load_hook, strip_compiled_prefixes
 from lightning_ckpt.memory import EMPTY_CUDA_CACHE_MODES, EmptyCudaCache, MemoryStats, memory_stats, release_memory
 from lightning_ckpt.monitor import SaveMonitor, SaveRecord, print_summary, save_line
+from lightning_ckpt.remote import RemoteOptions, is_remote
+from lightning_ckpt.remote import listing as remote_listing
 from lightning_ckpt.strategies import is_lightning_ckpt, save_sharded, sharded_io
 from lightning_ckpt.writer import TempDir, commit
 
@@ -194,7 +196,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         super().setup(trainer, pl_module, stage)
         # The rank-consistent record of existing checkpoints, from the filesystem (never from an
         # earlier run's memory): one broadcast here, none per save.
-        listing = _listing(self.dirpath, self._template_depth()) if trainer.is_global_zero else []
+        listing = _listing(self.dirpath, self._template_depth(), trainer.strategy.checkpoint_io) if trainer.is_global_zero else []
         # The same broadcast carries the name multi-rank saves give their shared folders.
         listing, token = trainer.strategy.broadcast((listing, secrets.token_hex(8)))
         io = sharded_io(trainer.strategy)
@@ -625,9 +627,15 @@ def _steps_until_check(remaining: float, step_time: float, world_size: int) -> i
     return max(1, math.floor(remaining / (_TIME_CHECK_SLOWDOWN_TOLERANCE * step_time)))
 
 
-def _listing(dirpath: _PATH | None, depth: int) -> list[str]:
+def _listing(dirpath: _PATH | None, depth: int, checkpoint_io: Any = None) -> list[str]:
     """Paths under ``dirpath`` down to ``depth`` folders below it (checkpoint directories are
-    entries, not descended into)."""
+    entries, not descended into). A URL is listed through fsspec, with ``checkpoint_io``'s
+    storage options when it is ours."""
+    if dirpath is not None and is_remote(dirpath):
+        from lightning_ckpt.io import ShardedCheckpointIO
+
+        options = checkpoint_io.remote if isinstance(checkpoint_io, ShardedCheckpointIO) else RemoteOptions()
+        return [os.path.normpath(url) for url in remote_listing(os.fspath(dirpath), depth, options)]
     if dirpath is None or not os.path.isdir(dirpath):
         return []
     found: list[str] = []

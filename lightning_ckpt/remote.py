@@ -608,6 +608,25 @@ def _download_jobs(fs: AbstractFileSystem, committed: Committed, options: Remote
     return jobs
 
 
+def listing(url: str, depth: int, options: RemoteOptions) -> list[str]:
+    """URLs of the entries under the folder ``url``, down to ``depth`` folders below it (remote
+    checkpoints are entries, not descended into); ``[]`` when there is no such folder."""
+    fs, root = options.filesystem(url)
+    protocol = url.split("://", 1)[0]
+    found: list[str] = []
+    folders = [root.rstrip("/")]
+    for level in range(depth + 1):
+        below = []
+        for folder in folders:
+            for name in _listing(fs, folder):
+                path = f"{folder}/{name}"
+                found.append(f"{protocol}://{path}")
+                if level < depth and CURRENT_FILE not in (children := _listing(fs, path)) and children:
+                    below.append(path)
+        folders = below
+    return sorted(found)
+
+
 def exists(url: str, options: RemoteOptions) -> bool:
     """Whether a committed checkpoint is at ``url``."""
     fs, root = options.filesystem(url)

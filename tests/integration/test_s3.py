@@ -162,3 +162,23 @@ def test_a_failing_server_gives_a_clear_error_and_keeps_the_previous_checkpoint(
     assert url in str(raised.value) and "failed 2 times" in str(raised.value)
     server.faults.clear()
     assert torch.equal(lc.load_checkpoint(url)["state_dict"]["w"], old["state_dict"]["w"])
+
+
+def test_existing_remote_checkpoints_are_known_to_the_callback(s3):
+    """A second run into the same dirpath sees the first run's checkpoints (as Lightning's own
+    ModelCheckpoint does through fsspec): a name already taken gets a version suffix."""
+    server, prefix = s3
+    from lightning.pytorch import Trainer, seed_everything
+    from models import TinyRegressor, trainer_kwargs
+
+    def run() -> lc.ShardedModelCheckpoint:
+        seed_everything(0)
+        callback = lc.ShardedModelCheckpoint(dirpath=f"s3://{prefix}/run", every_n_train_steps=4, save_top_k=-1, filename="{epoch}")
+        trainer = Trainer(max_epochs=1, callbacks=[callback], plugins=[lc.ShardedCheckpointIO()], **trainer_kwargs())
+        trainer.fit(TinyRegressor())
+        return callback
+
+    run()
+    second = run()
+    assert os.path.basename(second.best_model_path) == "epoch=0-v1.ckpt"
+    assert sorted(_checkpoints(server.filesystem(), f"{prefix}/run")) == ["epoch=0-v1.ckpt", "epoch=0.ckpt"]
