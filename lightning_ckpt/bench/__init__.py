@@ -26,6 +26,7 @@ MODES: dict[str, tuple[str, str]] = {
     "distributed": ("distributed", "N CPU ranks (gloo): FSDP2 and DDP saves and loads against stock DCP"),
     "activations": ("activations", "activation checkpointing: peak activation memory and step time"),
     "fragmentation": ("fragmentation", "CUDA: what emptying the allocator's cache after saves does to the next steps"),
+    "remote": ("remote", "s3:// saves and loads against a local moto S3 server: stall, durable time, upload GB/s, memory"),
 }
 DEFAULT_MODE = "save"
 _KEEPS_MODE = ("save", "distributed")  # their parsers take --mode themselves; they get argv unchanged
