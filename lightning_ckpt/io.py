@@ -271,7 +271,8 @@ class ShardedCheckpointIO(CheckpointIO):
         local_keep: how many published checkpoints the local tier keeps per folder (one not
             yet uploaded is never removed).
         upload_part_size: size of each part of a multipart upload (and of each read of a
-            download); memory for uploads is about ``upload_concurrency`` times this.
+            download). On S3 an upload holds a few MiB (a compressed one, one part); other
+            filesystems' file objects buffer a few parts per object in flight.
         upload_concurrency: objects uploaded or downloaded at once.
         compression: remote checkpoints only: store shard files zstd-compressed (``"zstd"``: all
             components; ``{"optimizer": "zstd"}``: those named). Compressed while uploading and

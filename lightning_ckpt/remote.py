@@ -28,6 +28,7 @@ Only after it are older generations deleted. Invariants:
 from __future__ import annotations
 
 import concurrent.futures
+import io
 import json
 import os
 import queue
@@ -66,6 +67,7 @@ _LOCAL_PROTOCOLS = ("file", "local")
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 _PROCESS_STARTED_MS = int(time.time() * 1000)
 ENCODINGS = {"zstd": ".zst"}
+_PIECE = 4 * 2**20  # bytes read (and compressed) at a time
 _cleaned: set[tuple[Any, str]] = set()  # (protocol, folder) already rid of orphans by this process  # how a file may be stored remotely -> the suffix of its object
 
 
@@ -173,10 +175,13 @@ def _upload(
     part_size: int, encoding: str | None = None, level: int = 3,
 ) -> int:
     """Stream the local file open as ``fd`` to ``remote_file`` (``encoding``: compressed on the
-    way) through one part-sized buffer; the object appears whole when the file's digest matched
-    the manifest's, or not at all. Returns the object's size."""
+    way); the object appears whole when the file's digest matched the manifest's, or not at all.
+    Returns the object's size. S3: one part in memory at a time (``_upload_s3``); other
+    filesystems: through their buffered file object."""
+    if hasattr(fs, "call_s3"):
+        return _upload_s3(fs, fd, local_file, remote_file, record, algorithm, part_size, encoding, level)
     digest = fmt.hasher(algorithm)
-    buffer = bytearray(min(part_size, 16 * 2**20))
+    buffer = bytearray(max(1, min(part_size, _PIECE, record.size)))
     view = memoryview(buffer)
     feed, finish = _encoder(encoding, level)
     read = stored = 0
@@ -200,6 +205,123 @@ def _upload(
         stream.close()  # completes the upload
     except BaseException:
         _discard(stream)
+        raise
+    return stored
+
+
+class _PartBody(io.RawIOBase):
+    """A seekable stream over one part: ``size`` bytes served by ``read_at(offset, n)``. The client
+    reads it in pieces (for its checksum, the request and any retry), where a ``bytes`` body gets
+    copied whole once more on its way to the socket."""
+
+    def __init__(self, size: int, read_at: Callable[[int, int], Any]) -> None:
+        super().__init__()
+        self._size, self._read_at, self._position = size, read_at, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self._size - self._position)
+        if n <= 0:
+            return 0
+        data = self._read_at(self._position, n)
+        buffer[: len(data)] = data
+        self._position += len(data)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
+        self._position = min(max(base + offset, 0), self._size)
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+
+def _upload_s3(
+    fs: Any, fd: int, local_file: str, remote_file: str, record: fmt.FileRecord, algorithm: str,
+    part_size: int, encoding: str | None, level: int,
+) -> int:
+    """``_upload`` on S3, driving the multipart upload itself. A plain file's parts are hashed in
+    pieces, then sent as streams over the file's range: an upload holds a few MiB, not a part
+    (s3fs's file object buffers a part, copies it out and lets its buffer grow: ~4 parts
+    measured). Compressed, one part of compressed bytes is held. A file that fits one part is
+    one PUT."""
+    bucket, key, _ = fs.split_path(remote_file)
+    digest = fmt.hasher(algorithm)
+    feed, finish = _encoder(encoding, level)
+    upload_id: str | None = None
+    parts: list[dict[str, Any]] = []
+    read = stored = 0
+    pending = bytearray()  # encoded bytes not sent yet (compressed uploads only)
+
+    def send(body: _PartBody, size: int, last: bool) -> None:
+        nonlocal upload_id, stored
+        stored += size
+        if upload_id is None and last:
+            fs.call_s3("put_object", Bucket=bucket, Key=key, Body=body)
+            return
+        if upload_id is None:
+            upload_id = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        number = len(parts) + 1
+        etag = fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body)["ETag"]
+        parts.append({"PartNumber": number, "ETag": etag})
+
+    def file_range(start: int, size: int) -> _PartBody:
+        return _PartBody(size, lambda offset, n: os.pread(fd, n, start + offset))
+
+    def buffered(data: bytes | bytearray) -> _PartBody:
+        view = memoryview(data)
+        return _PartBody(len(data), lambda offset, n: view[offset : offset + n])
+
+    try:
+        if encoding is None:
+            while True:
+                start = read
+                size = min(part_size, record.size - start)
+                for offset in range(start, start + size, _PIECE):  # hash the part first
+                    data = os.pread(fd, min(_PIECE, start + size - offset), offset)
+                    digest.update(data)
+                    read += len(data)
+                    if len(data) < min(_PIECE, start + size - offset):
+                        break  # shorter than the manifest says: reported below
+                last = read >= record.size or read - start < size
+                if read > start or not parts:
+                    send(file_range(start, read - start), read - start, last)
+                if last:
+                    read += len(os.pread(fd, 1, read))  # a file longer than the manifest says
+                    break
+        else:
+            while True:
+                data = os.pread(fd, _PIECE, read)
+                read += len(data)
+                digest.update(data)
+                pending += feed(data) if data else finish()
+                while len(pending) >= part_size:
+                    send(buffered(bytes(pending[:part_size])), part_size, False)
+                    del pending[:part_size]
+                if not data:
+                    send(buffered(pending), len(pending), True)
+                    break
+        found = digest.hexdigest()
+        if read != record.size or found != record.digest:
+            raise CorruptCheckpointError(
+                f"{local_file!r} changed on local disk after it was written (size {read} against {record.size},"
+                f" {algorithm} {found} against {record.digest}); refusing to upload it.",
+                local_file,
+            )
+        if upload_id is not None:
+            fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
+    except BaseException:
+        if upload_id is not None:
+            try:
+                fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            except Exception:
+                pass  # ``clean_orphans`` aborts it later
         raise
     return stored
 
