@@ -855,12 +855,13 @@ class ShardedCheckpointIO(CheckpointIO):
         state["_writer"] = ShardWriter(self._writer.chunk_bytes, self._writer.direct_io)
         state["_pool"] = StagingPool(self._pool.max_bytes)
         state["_worker"] = WriterProcess(self._worker.config)
-        state["_uploader"] = remote.Uploader()
+        state["_uploader"] = None  # threads and queues do not pickle: a new one in __setstate__
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.RLock()
+        self._uploader = remote.Uploader()
         _live_instances.add(self)
 
 

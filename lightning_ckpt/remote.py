@@ -67,7 +67,9 @@ _LOCAL_PROTOCOLS = ("file", "local")
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 _PROCESS_STARTED_MS = int(time.time() * 1000)
 ENCODINGS = {"zstd": ".zst"}
-_PIECE = 4 * 2**20  # bytes read (and compressed) at a time
+_PIECE = 4 * 2**20
+# Client errors that no retry fixes (botocore's names; matched by name, botocore being optional).
+_NOT_TRANSIENT = {"NoCredentialsError", "PartialCredentialsError", "NoRegionError", "ParamValidationError", "InvalidConfigError"}  # bytes read (and compressed) at a time
 _cleaned: set[tuple[Any, str]] = set()  # (protocol, folder) already rid of orphans by this process  # how a file may be stored remotely -> the suffix of its object
 
 
@@ -384,6 +386,8 @@ def _retried(action: Callable[[], None], what: str) -> None:
         except (CheckpointError, FileNotFoundError, PermissionError, KeyboardInterrupt):
             raise
         except Exception as err:
+            if type(err).__name__ in _NOT_TRANSIENT:
+                raise
             if attempt + 1 == _ATTEMPTS:
                 raise OSError(f"{what} failed {_ATTEMPTS} times; last error: {type(err).__name__}: {err}") from err
             time.sleep(0.5 * 2**attempt)
@@ -561,9 +565,9 @@ def publish(local: str, url: str, options: RemoteOptions) -> Published:
     except BaseException as err:
         _remove_quietly(fs, folder)
         _cleaned.discard((fs.protocol, parent))  # what this save could not remove, the next one does
-        if isinstance(err, (OSError, CheckpointError, RuntimeError, ValueError)):
+        if isinstance(err, Exception):  # the client's own errors too (no credentials, ...)
             raise CheckpointWriteError(
-                f"Uploading checkpoint {url!r} failed: {str(err).rstrip('.')}. Nothing was committed; the checkpoint"
+                f"Uploading checkpoint {url!r} failed: {type(err).__name__}: {str(err).rstrip('.')}. Nothing was committed; the checkpoint"
                 " previously at that URL (if any) is unchanged.",
                 url,
             ) from err

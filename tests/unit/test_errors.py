@@ -277,8 +277,6 @@ def test_bad_arguments_are_named():
     io = lc.ShardedCheckpointIO()
     with pytest.raises(TypeError, match="storage_options"):
         io.save_checkpoint({}, "x.ckpt", storage_options={"a": 1})
-    with pytest.raises(ValueError, match="remote URL"):
-        io.save_checkpoint({}, "s3://bucket/x.ckpt")
     with pytest.raises(ValueError, match="verify_on_load"):
         lc.ShardedCheckpointIO(verify_on_load="sometimes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="direct_io"):

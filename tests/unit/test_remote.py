@@ -282,3 +282,18 @@ def test_async_save_to_memory_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="memory:// filesystem lives in one process"):
         io.save_checkpoint(_state(1), "memory://bucket/run/x.ckpt")
     io.teardown()
+
+
+def test_missing_credentials_fail_the_save_clearly(monkeypatch, tmp_path):
+    pytest.importorskip("s3fs")
+    for key in list(os.environ):
+        if key.startswith("AWS_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    url = "s3://bucket/run/x.ckpt"
+    options = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "us-east-1"}}
+    with pytest.raises(CheckpointWriteError, match=r"Uploading checkpoint 's3://bucket/run/x.ckpt' failed: NoCredentialsError") as raised:
+        save_checkpoint(_state(1), url, storage_options=options)
+    assert "Nothing was committed" in str(raised.value)
