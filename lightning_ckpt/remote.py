@@ -781,9 +781,24 @@ def remove(url: str, options: RemoteOptions) -> None:
 # The local tier: a copy of each remote checkpoint on local disk.
 
 
-def spool_dir() -> str:
-    """A private temporary folder a save is committed in before it is uploaded (no local tier)."""
-    return tempfile.mkdtemp(prefix=".lightning_ckpt-spool-")
+def spool_dir(root: str | None = None) -> str:
+    """A private temporary folder (under ``root``, default the temporary folder) a save is
+    committed in before it is uploaded, or a load downloads into (no local tier)."""
+    return tempfile.mkdtemp(prefix=".lightning_ckpt-spool-", dir=root)
+
+
+_SHARED_MEMORY = "/dev/shm"
+
+
+def _download_root(nbytes: int) -> str | None:
+    """Where a load without a local tier downloads: shared memory when it has room for the
+    checkpoint (twice over, so the download cannot starve it), so the objects land straight in
+    the pages the loaded tensors map and never touch a disk; else the temporary folder."""
+    try:
+        free = os.statvfs(_SHARED_MEMORY)
+    except OSError:
+        return None
+    return _SHARED_MEMORY if free.f_bavail * free.f_frsize > 2 * nbytes else None
 
 
 def published_marker(local: str) -> str:
@@ -859,11 +874,12 @@ def local_copy_for_load(url: str, options: RemoteOptions) -> tuple[str, Callable
 
     With a local tier: its copy when it is the remote's committed generation, or newer than the
     remote (a save whose upload had not finished); else the remote one is downloaded into the
-    tier. Without: the remote one is downloaded into a temporary folder, removed after loading
-    (loaded tensors map its files; unlinking them keeps the mapped data valid).
+    tier. Without: the remote one is downloaded into a temporary folder, in shared memory when it
+    has room, removed after loading (loaded tensors map its files; unlinking them keeps the mapped
+    data valid, and the memory is freed with the tensors).
     """
     if options.local_dir is None:
-        spool = spool_dir()
+        spool = spool_dir(_download_root(read_committed(url, options).manifest.total_bytes))
         try:
             local = fetch(url, options, os.path.join(spool, "checkpoint"))
         except BaseException:

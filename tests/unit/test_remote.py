@@ -297,3 +297,20 @@ def test_missing_credentials_fail_the_save_clearly(monkeypatch, tmp_path):
     with pytest.raises(CheckpointWriteError, match=r"Uploading checkpoint 's3://bucket/run/x.ckpt' failed: NoCredentialsError") as raised:
         save_checkpoint(_state(1), url, storage_options=options)
     assert "Nothing was committed" in str(raised.value)
+
+
+def test_a_load_without_local_tier_downloads_into_shared_memory_when_it_fits(monkeypatch, tmp_path):
+    url = "memory://bucket/run/a.ckpt"
+    save_checkpoint(_state(1), url)
+    fake_shm = tmp_path / "shm"
+    fake_shm.mkdir()
+    monkeypatch.setattr(remote, "_SHARED_MEMORY", str(fake_shm))
+    local, done = remote.local_copy_for_load(url, remote.RemoteOptions())
+    assert local.startswith(str(fake_shm))
+    assert _equal(load_checkpoint(local), _state(1))
+    done()
+    assert os.listdir(fake_shm) == []  # the download is gone once loaded
+    monkeypatch.setattr(remote, "_SHARED_MEMORY", str(tmp_path / "missing"))
+    local, done = remote.local_copy_for_load(url, remote.RemoteOptions())
+    assert not local.startswith(str(tmp_path))  # no shared memory: the temporary folder
+    done()
