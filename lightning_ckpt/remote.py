@@ -588,21 +588,24 @@ def _job(function: Callable[..., None], *args: Any, what: str) -> Callable[[], N
 
 def _open_committed(local: str) -> tuple[bytes, fmt.Manifest, dict[str, int]]:
     """The manifest (bytes, parsed) of the committed local checkpoint ``local`` and an open fd of
-    each file it lists, all read through one directory fd: one checkpoint, whatever replaces it."""
-    from lightning_ckpt.reader import _Dir, _read_manifest
+    each file it lists, all read through one directory fd: one checkpoint, whatever replaces it
+    once they are open. Replaced (and removed) while being opened: the newer one is opened."""
+    from lightning_ckpt.reader import _Dir, _read_manifest, _retrying
 
-    fds: dict[str, int] = {}
-    with _Dir(local) as directory:  # a committed directory never changes; replacing swaps directories
-        manifest = _read_manifest(directory)
-        data = directory.read(fmt.MANIFEST_FILE)
+    def open_all(directory: _Dir) -> tuple[bytes, fmt.Manifest, dict[str, int]]:
+        fds: dict[str, int] = {}
         try:
+            manifest = _read_manifest(directory)
+            data = directory.read(fmt.MANIFEST_FILE)
             for name in manifest.files:
                 fds[name] = directory.open(name)
         except BaseException:
             for fd in fds.values():
                 os.close(fd)
             raise
-    return data, manifest, fds
+        return data, manifest, fds
+
+    return _retrying(local, open_all)
 
 
 def _listing(fs: AbstractFileSystem, path: str) -> list[str]:
@@ -685,7 +688,10 @@ def fetch(url: str, options: RemoteOptions, dest: str) -> str:
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         tmp = writer.TempDir(dest)
         try:
-            _parallel(_download_jobs(fs, committed, options, url, tmp.path), options.concurrency)
+            ranged = _ranged_download_jobs(fs, committed, options, url, tmp.path)
+            _parallel([job for jobs, _ in ranged.values() for job in jobs], options.concurrency)  # by ranges
+            checks = [check for _, check in ranged.values()]
+            _parallel(checks + _download_jobs(fs, committed, options, url, tmp.path, skip=set(ranged)), options.concurrency)
             with open(os.path.join(tmp.path, fmt.MANIFEST_FILE), "wb") as f:
                 f.write(committed.manifest_bytes)
             writer.commit(tmp.path, dest)
@@ -724,14 +730,73 @@ def verify(url: str, options: RemoteOptions) -> fmt.Manifest:
     raise AssertionError("unreachable")
 
 
-def _download_jobs(fs: AbstractFileSystem, committed: Committed, options: RemoteOptions, url: str, into: str | None) -> list[Callable[[], None]]:
-    """A job per file of ``committed``: stream its object into folder ``into`` (``None``: only check it)."""
+def _download_jobs(
+    fs: AbstractFileSystem, committed: Committed, options: RemoteOptions, url: str, into: str | None, skip: set[str] = frozenset()  # type: ignore[assignment]
+) -> list[Callable[[], None]]:
+    """A job per file of ``committed`` (but ``skip``): stream its object into folder ``into``
+    (``None``: only check it)."""
     jobs = []
     for name, record in committed.manifest.files.items():
+        if name in skip:
+            continue
         path, encoding = committed.object_of(name)
         local = None if into is None else os.path.join(into, name)
         jobs.append(_job(_download, fs, path, local, record, committed.manifest.checksum, options.part_size, url, name, encoding, what=f"Reading {name!r}"))
     return jobs
+
+
+def _ranged_download_jobs(
+    fs: AbstractFileSystem, committed: Committed, options: RemoteOptions, url: str, into: str
+) -> dict[str, tuple[list[Callable[[], None]], Callable[[], None]]]:
+    """S3, plain files of more than one part: {file: (range jobs, check)}. Each range job fetches
+    one part-sized range and writes it at its offset (one part in memory per range in flight), so
+    the ranges of all files download in parallel; ``check``, run after every range landed, hashes
+    the file in order against the manifest. Compressed objects (one zstd frame) stream in order
+    instead (``_download``)."""
+    if not hasattr(fs, "call_s3"):
+        return {}
+    part = options.part_size
+    found: dict[str, tuple[list[Callable[[], None]], Callable[[], None]]] = {}
+    for name, record in committed.manifest.files.items():
+        path, encoding = committed.object_of(name)
+        if encoding is not None or record.size <= part:
+            continue
+        local = os.path.join(into, name)
+        with open(local, "wb") as f:
+            f.truncate(record.size)
+
+        def fetch_range(path: str = path, local: str = local, start: int = 0, end: int = 0) -> None:
+            data = fs.cat_file(path, start=start, end=end)
+            fd = os.open(local, os.O_WRONLY)
+            try:
+                view, offset = memoryview(data), start
+                while view:
+                    written = os.pwrite(fd, view, offset)
+                    view, offset = view[written:], offset + written
+            finally:
+                os.close(fd)
+
+        ranges = [
+            _job(fetch_range, path, local, start, min(start + part, record.size), what=f"Reading {name!r} at {start}")
+            for start in range(0, record.size, part)
+        ]
+
+        def check(local: str = local, record: fmt.FileRecord = record, name: str = name, path: str = path) -> None:
+            digest = fmt.hasher(committed.manifest.checksum)
+            with open(local, "rb", buffering=0) as f:
+                while chunk := f.read(_PIECE):
+                    digest.update(chunk)
+            if (found_digest := digest.hexdigest()) != record.digest:
+                raise CorruptCheckpointError(
+                    f"{url!r}: checksum mismatch in object {name!r} (stored as {path!r};"
+                    f" {committed.manifest.checksum}: expected {record.digest}, found {found_digest}); the remote"
+                    " checkpoint is damaged. Resume from another checkpoint.",
+                    url,
+                    name,
+                )
+
+        found[name] = (ranges, check)
+    return found
 
 
 def listing(url: str, depth: int, options: RemoteOptions) -> list[str]:

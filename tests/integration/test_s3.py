@@ -205,4 +205,13 @@ def test_multipart_objects_roundtrip(s3, compression):
     assert torch.equal(loaded["state_dict"]["w"], state["state_dict"]["w"])
     assert torch.equal(loaded["optimizer_states"][0]["state"][0]["exp_avg_sq"], torch.zeros(3 * 2**20))
     assert _multipart_uploads(server.filesystem(), prefix) == []
+    # A damaged byte in the middle part of a large object is caught on the way down.
+    fs = server.filesystem()
+    (model,) = committed.manifest.components["model"]
+    stored, _ = committed.object_of(model)
+    data = bytearray(fs.cat_file(stored))
+    data[len(data) // 2] ^= 0x01
+    fs.pipe_file(stored, bytes(data))
+    with pytest.raises(lc.CorruptCheckpointError, match=model):
+        io.load_checkpoint(url)
     io.teardown()
