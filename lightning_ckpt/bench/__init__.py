@@ -27,6 +27,7 @@ MODES: dict[str, tuple[str, str]] = {
     "activations": ("activations", "activation checkpointing: peak activation memory and step time"),
     "fragmentation": ("fragmentation", "CUDA: what emptying the allocator's cache after saves does to the next steps"),
     "remote": ("remote", "s3:// saves and loads against a local moto S3 server: stall, durable time, upload GB/s, memory"),
+    "compression": ("compression", "zstd on trained weights and AdamW state: ratio and MB/s per component, s3:// saves with and without"),
 }
 DEFAULT_MODE = "save"
 _KEEPS_MODE = ("save", "distributed")  # their parsers take --mode themselves; they get argv unchanged
