@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -166,10 +166,14 @@ def _encoder(encoding: str | None, level: int) -> tuple[_Codec, Callable[[], byt
     return compressor.compress, compressor.flush
 
 
-def _decoder(encoding: str | None) -> _Codec:
-    if encoding is None:
-        return bytes
-    return _zstd().ZstdDecompressor().decompressobj().decompress
+def _decoded(source: Any, encoding: str | None, part_size: int) -> Iterator[bytes]:
+    """The bytes of an object read from the file object ``source``, decompressed with
+    ``encoding``: read a part at a time, and decompressed a piece at a time, so a highly
+    compressible part never expands in memory whole."""
+    stream = source if encoding is None else _zstd().ZstdDecompressor().stream_reader(source, read_size=part_size)
+    step = part_size if encoding is None else _PIECE
+    while data := stream.read(step):
+        yield data
 
 
 def _upload(
@@ -304,10 +308,13 @@ def _upload_s3(
                 digest.update(data)
                 pending += feed(data) if data else finish()
                 while len(pending) >= part_size:
-                    send(buffered(bytes(pending[:part_size])), part_size, False)
+                    with memoryview(pending) as view:
+                        part = bytes(view[:part_size])
+                    send(buffered(part), part_size, False)
                     del pending[:part_size]
                 if not data:
-                    send(buffered(pending), len(pending), True)
+                    if pending or upload_id is None:  # no empty last part after a full one
+                        send(buffered(pending), len(pending), True)
                     break
         found = digest.hexdigest()
         if read != record.size or found != record.digest:
@@ -336,21 +343,25 @@ def _download(
     only hash it) and check it against the manifest; ``CorruptCheckpointError`` naming the object
     when it differs."""
     digest = fmt.hasher(algorithm)
-    decode = _decoder(encoding)
     size = 0
     sink = open(local_file, "wb") if local_file is not None else None
     try:
         with fs.open(remote_file, "rb", block_size=part_size, cache_type="none") as source:
-            while chunk := source.read(part_size):
+            pieces = _decoded(source, encoding, part_size)
+            while True:
                 try:
-                    data = decode(chunk)
-                except Exception as err:  # zstd: a damaged frame
-                    raise CorruptCheckpointError(
-                        f"{url!r}: object {name!r} (stored as {remote_file!r}) does not decompress ({err}); the remote checkpoint is damaged."
-                        " Resume from another checkpoint.",
+                    data = next(pieces, b"")
+                except Exception as err:
+                    if encoding is None or isinstance(err, OSError):
+                        raise
+                    raise CorruptCheckpointError(  # zstd: a damaged frame or its checksum
+                        f"{url!r}: object {name!r} (stored as {remote_file!r}) does not decompress ({err}); the remote"
+                        " checkpoint is damaged. Resume from another checkpoint.",
                         url,
                         name,
                     ) from err
+                if not data:
+                    break
                 digest.update(data)
                 if sink is not None:
                     sink.write(data)

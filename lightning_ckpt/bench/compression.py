@@ -17,9 +17,9 @@ shard file holds it (the tensors' bytes back to back, in state-dict order):
   ``optimizer`` files).
 
 Per component and zstd level (``--levels``), through the shipping code (``remote._encoder`` /
-``remote._decoder``: one ``compressobj`` frame with its content checksum, one thread): the bytes
+``remote._decoded``: one zstd frame with its content checksum, one thread): the bytes
 are fed in ``remote._PIECE`` pieces, as ``_upload_s3`` reads them from the local file, and the
-compressed object is fed back in ``upload_part_size`` reads (64 MiB), as ``_download`` reads it.
+compressed object is read back in ``upload_part_size`` reads (64 MiB) and decompressed in pieces, as ``_download`` does.
 Only the compressor and decompressor calls are timed (the reads, copies and hashing around them
 are not); both throughputs are in *uncompressed* MB per second. Every round trip is checked:
 the decompressed bytes' digest against the original's. **x at LINK**: the time to ship the
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -141,7 +142,7 @@ def round_trip(tensors: list[torch.Tensor], level: int) -> Metrics:
     """Compress ``tensors`` as the uploader does, decompress as the downloader does; sizes, the
     seconds of the codec calls alone, and whether the bytes came back."""
     from lightning_ckpt import manifest as fmt
-    from lightning_ckpt.remote import _PIECE, DEFAULT_PART_SIZE, _decoder, _encoder
+    from lightning_ckpt.remote import _PIECE, DEFAULT_PART_SIZE, _decoded, _encoder
 
     feed, finish = _encoder("zstd", level)
     original, stored = fmt.hasher(), bytearray()
@@ -159,19 +160,18 @@ def round_trip(tensors: list[torch.Tensor], level: int) -> Metrics:
     compress_s += time.perf_counter() - start
     stored += tail
 
-    decode = _decoder("zstd")
     restored = fmt.hasher()
     size = 0
     decompress_s = 0.0
-    view = memoryview(stored)
-    for offset in range(0, len(stored), DEFAULT_PART_SIZE):
-        chunk = bytes(view[offset : offset + DEFAULT_PART_SIZE])  # a read of the object returns bytes
+    decoded = _decoded(io.BytesIO(bytes(stored)), "zstd", DEFAULT_PART_SIZE)  # as a download reads the object
+    while True:
         start = time.perf_counter()
-        data = decode(chunk)
+        data = next(decoded, b"")
         decompress_s += time.perf_counter() - start
+        if not data:
+            break
         restored.update(data)
         size += len(data)
-    view.release()
     return {
         "raw_bytes": raw,
         "compressed_bytes": len(stored),
@@ -374,7 +374,7 @@ def render_table(report: dict[str, Any]) -> Any:
         ),
         caption=(
             "ratio = raw / compressed; MB/s of uncompressed bytes through the codec calls alone (remote._encoder /"
-            f" _decoder); x {link / GB:g} GB/s = one stream's time with zstd / without, compression and transfer"
+            f" _decoded); x {link / GB:g} GB/s = one stream's time with zstd / without, compression and transfer"
             " overlapped (< 1: it pays); zeros = exactly-zero elements"
         ),
     )
