@@ -55,8 +55,8 @@ from typing import Any
 import torch
 
 from lightning_ckpt.bench.files import DEFAULT_DIR, run_directory
-from lightning_ckpt.bench.measure import GB, MB, Metrics, Task, m, ratio, run_in_fresh_process, summarize
-from lightning_ckpt.bench.report import add_json_argument, emit_report, fmt, machine_info, report_header, stderr_logger
+from lightning_ckpt.bench.measure import GB, MB, Metrics, Task, m, run_in_fresh_process, summarize
+from lightning_ckpt.bench.report import add_json_argument, emit_report, fmt, machine_info, parse_count, report_header, stderr_logger
 from lightning_ckpt.bench.workloads import Decoder, DecoderConfig, decoder_config, lightning_checkpoint
 
 COMPONENTS = ("model_fp32", "model_bf16", "exp_avg", "exp_avg_sq", "step")
@@ -205,7 +205,7 @@ def _end_to_end(task: Task, checkpoint: dict[str, Any], repeat: int, reference: 
     import fsspec
 
     from lightning_ckpt import ShardedCheckpointIO, remote
-    from lightning_ckpt.bench.remote import mismatches
+    from lightning_ckpt.bench.workloads import mismatches
 
     fs = fsspec.filesystem("s3")
     warm = {"state_dict": {"w": torch.ones(16)}, "global_step": 0}
@@ -467,8 +467,7 @@ def missing_packages(end_to_end: bool) -> list[str]:
 
 def bench(task: Task, end_to_end: bool, log: Callable[[str], None]) -> Metrics:
     """The measurement process of ``task`` (with the S3 server around it when ``end_to_end``)."""
-    # from another mode, not copied: the S3 server helpers (and ``mismatches``) belong in a shared module
-    from lightning_ckpt.bench.remote import environment, s3_environment, s3_server
+    from lightning_ckpt.bench.s3 import environment, s3_environment, s3_server
 
     if not end_to_end:
         return run_in_fresh_process(task, _run)
@@ -484,7 +483,6 @@ def bench(task: Task, end_to_end: bool, log: Callable[[str], None]) -> Metrics:
 def main(argv: list[str] | None = None) -> int:
     """Run ``--mode compression``; print the tables (and the JSON with ``--json``). Returns 0, 1 if
     the measurement failed or a round trip was not exact, 2 if it could not run."""
-    from lightning_ckpt.bench.train import parse_count  # another mode's, not copied (it belongs in report)
     from lightning_ckpt.plan import parse_size
 
     parser = build_parser()

@@ -62,16 +62,9 @@ import contextlib
 import importlib.util
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from lightning_ckpt.bench.files import DEFAULT_DIR, path_bytes, remove_path, run_directory
 from lightning_ckpt.bench.measure import (
@@ -88,7 +81,8 @@ from lightning_ckpt.bench.measure import (
     summarize,
 )
 from lightning_ckpt.bench.report import add_json_argument, emit_report, fmt, machine_info, report_header, stderr_logger
-from lightning_ckpt.bench.workloads import build_checkpoint, state_bytes
+from lightning_ckpt.bench.s3 import environment, s3_environment, s3_server
+from lightning_ckpt.bench.workloads import build_checkpoint, mismatches, state_bytes
 
 CONTENDERS = ("torch_io", "sharded_sync", "sharded_async", "sharded_local_tier", "local_disk", "s3fs_put")
 TITLES = {
@@ -104,96 +98,10 @@ DEFAULT_SIZE = "512MB"
 DEFAULT_PART_SIZE = "64MiB"  # ShardedCheckpointIO's default upload_part_size
 BUCKET = "lightning-ckpt-bench"
 WARM_BYTES = 200_000  # the untimed first save of each contender
-SERVER_START_TIMEOUT_S = 60.0
 # Targets of the remote-checkpoint issue; reported, never asserted.
 TARGET_LOCAL_TIER_STALL = 1.2  # local-tier stall / local-disk stall, at most
 TARGET_UPLOAD_VS_PUT = 0.8  # our upload throughput / s3fs put throughput, at least
 TARGET_MEMORY_VS_BUDGET = 1.0  # peak upload memory / (upload_concurrency x upload_part_size), at most
-
-
-# ----------------------------------------------------------------------------------------------
-# The server (parent side)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
-def environment(values: Mapping[str, str]) -> Iterator[None]:
-    """``os.environ`` updated with ``values`` inside the block (children started there inherit
-    it), restored afterwards."""
-    previous = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in previous.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def s3_environment(endpoint: str) -> dict[str, str]:
-    """What points botocore (s3fs) at ``endpoint``, in this process and every one it starts."""
-    no_proxy = ",".join(p for p in (os.environ.get("NO_PROXY"), "127.0.0.1") if p)
-    return {
-        "AWS_ENDPOINT_URL": endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",  # never look for instance credentials off the machine
-        "NO_PROXY": no_proxy,  # a proxy configured for the outside must not see the local server
-        "no_proxy": no_proxy,
-    }
-
-
-def _answers(endpoint: str) -> bool:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(endpoint + "/", timeout=1.0):
-            return True
-    except urllib.error.HTTPError:
-        return True  # any HTTP reply means it is serving
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def s3_server(log_path: str, timeout: float = SERVER_START_TIMEOUT_S) -> Iterator[str]:
-    """moto's S3 server on ``127.0.0.1`` (a free port) until the block ends; yields its endpoint.
-
-    Its output goes to ``log_path``, whose end is quoted when it does not come up in ``timeout``.
-    """
-    port = _free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    with open(log_path, "wb") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    try:
-        deadline = time.monotonic() + timeout
-        while not _answers(endpoint):
-            if server.poll() is not None or time.monotonic() > deadline:
-                with open(log_path, "rb") as f:
-                    tail = f.read()[-2000:].decode(errors="replace")
-                state = f"exited with code {server.returncode}" if server.returncode is not None else f"no answer in {timeout:.0f} s"
-                raise RuntimeError(f"the moto S3 server on {endpoint} did not come up ({state}); its output:\n{tail}")
-            time.sleep(0.1)
-        yield endpoint
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,48 +131,6 @@ class _ProcessRssSampler(RssSampler):
         except OSError:
             self.hwm_reset = False
         return self
-
-
-def _raw(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-
-
-def mismatches(expected: Any, loaded: Any, where: str = "checkpoint", limit: int = 5) -> list[str]:
-    """Where ``loaded`` differs from ``expected`` (at most ``limit``): tensors byte for byte with
-    dtype and shape, containers key by key, every other value by type and ``==``."""
-    found: list[str] = []
-
-    def walk(a: Any, b: Any, at: str) -> None:
-        if len(found) >= limit:
-            return
-        if isinstance(a, torch.Tensor):
-            if not isinstance(b, torch.Tensor):
-                found.append(f"{at}: a tensor came back as {type(b).__name__}")
-            elif (a.dtype, tuple(a.shape)) != (b.dtype, tuple(b.shape)):
-                found.append(f"{at}: {a.dtype} {tuple(a.shape)} came back as {b.dtype} {tuple(b.shape)}")
-            elif not torch.equal(_raw(a), _raw(b)):
-                found.append(f"{at}: the bytes differ")
-        elif isinstance(a, Mapping):
-            if not isinstance(b, Mapping):
-                found.append(f"{at}: a mapping came back as {type(b).__name__}")
-                return
-            if set(a) != set(b):
-                missing, extra = sorted(map(repr, set(a) - set(b))), sorted(map(repr, set(b) - set(a)))
-                found.append(f"{at}: keys missing {missing[:5]}, unexpected {extra[:5]}")
-                return
-            for key in a:
-                walk(a[key], b[key], f"{at}[{key!r}]")
-        elif isinstance(a, (list, tuple)):
-            if type(a) is not type(b) or len(a) != len(b):
-                found.append(f"{at}: {type(a).__name__} of {len(a)} came back as {type(b).__name__}")
-                return
-            for i, (x, y) in enumerate(zip(a, b)):
-                walk(x, y, f"{at}[{i}]")
-        elif type(a) is not type(b) or a != b:
-            found.append(f"{at}: {a!r} came back as {b!r}")
-
-    walk(expected, loaded, where)
-    return found
 
 
 class _Run:

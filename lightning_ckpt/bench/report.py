@@ -150,3 +150,19 @@ def emit_report(table: Any, report: dict[str, Any], json_path: str | None) -> No
     with open(json_path, "w") as f:
         f.write(text + "\n")
     Console(stderr=True).print(f"[dim]results JSON written to {json_path}[/dim]", highlight=False)
+
+
+_COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+
+
+def parse_count(text: str, argument: str) -> int:
+    """``"1.3B"``, ``"350M"``, ``"8e6"`` -> a count (B = billion). Raises ``ValueError`` naming ``argument``."""
+    value = text.strip().upper()
+    unit = value[-1] if value and value[-1] in _COUNT_UNITS else ""
+    try:
+        number = float(value[: len(value) - len(unit)]) * _COUNT_UNITS[unit]
+    except ValueError:
+        raise ValueError(f"{argument} {text!r} is not a count; give e.g. 1.3B, 350M or 8000000") from None
+    if number < 1:
+        raise ValueError(f"{argument} {text!r} must be at least 1")
+    return int(number)

@@ -80,7 +80,7 @@ from lightning_ckpt.bench.measure import (
     run_in_fresh_process,
     summarize,
 )
-from lightning_ckpt.bench.report import add_json_argument, emit_report, fmt, machine_info, report_header, stderr_logger
+from lightning_ckpt.bench.report import add_json_argument, emit_report, fmt, machine_info, parse_count, report_header, stderr_logger
 from lightning_ckpt.bench.workloads import Decoder, DecoderConfig, decoder_config, lightning_checkpoint
 
 CONTENDERS = ("torch_io", "async_io", "dcp_async", "sharded_sync", "sharded_async")
@@ -417,20 +417,6 @@ def _run_task(task: Task) -> Metrics:
 # ----------------------------------------------------------------------------------------------
 # Parent side
 
-_COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-
-
-def parse_count(text: str, argument: str) -> int:
-    """``"1.3B"``, ``"350M"``, ``"8e6"`` -> a count (B = billion). Raises ``ValueError`` naming ``argument``."""
-    value = text.strip().upper()
-    unit = value[-1] if value and value[-1] in _COUNT_UNITS else ""
-    try:
-        number = float(value[: len(value) - len(unit)]) * _COUNT_UNITS[unit]
-    except ValueError:
-        raise ValueError(f"{argument} {text!r} is not a count; give e.g. 1.3B, 350M or 8000000") from None
-    if number < 1:
-        raise ValueError(f"{argument} {text!r} must be at least 1")
-    return int(number)
 
 
 def _ratios(contenders: dict[str, Metrics]) -> Metrics:

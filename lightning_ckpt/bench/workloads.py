@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -264,3 +265,45 @@ def lightning_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimize
         "optimizer_states": [optimizer.state_dict()],
         "lr_schedulers": [],
     }
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def mismatches(expected: Any, loaded: Any, where: str = "checkpoint", limit: int = 5) -> list[str]:
+    """Where ``loaded`` differs from ``expected`` (at most ``limit``): tensors byte for byte with
+    dtype and shape, containers key by key, every other value by type and ``==``."""
+    found: list[str] = []
+
+    def walk(a: Any, b: Any, at: str) -> None:
+        if len(found) >= limit:
+            return
+        if isinstance(a, torch.Tensor):
+            if not isinstance(b, torch.Tensor):
+                found.append(f"{at}: a tensor came back as {type(b).__name__}")
+            elif (a.dtype, tuple(a.shape)) != (b.dtype, tuple(b.shape)):
+                found.append(f"{at}: {a.dtype} {tuple(a.shape)} came back as {b.dtype} {tuple(b.shape)}")
+            elif not torch.equal(_raw(a), _raw(b)):
+                found.append(f"{at}: the bytes differ")
+        elif isinstance(a, Mapping):
+            if not isinstance(b, Mapping):
+                found.append(f"{at}: a mapping came back as {type(b).__name__}")
+                return
+            if set(a) != set(b):
+                missing, extra = sorted(map(repr, set(a) - set(b))), sorted(map(repr, set(b) - set(a)))
+                found.append(f"{at}: keys missing {missing[:5]}, unexpected {extra[:5]}")
+                return
+            for key in a:
+                walk(a[key], b[key], f"{at}[{key!r}]")
+        elif isinstance(a, (list, tuple)):
+            if type(a) is not type(b) or len(a) != len(b):
+                found.append(f"{at}: {type(a).__name__} of {len(a)} came back as {type(b).__name__}")
+                return
+            for i, (x, y) in enumerate(zip(a, b)):
+                walk(x, y, f"{at}[{i}]")
+        elif type(a) is not type(b) or a != b:
+            found.append(f"{at}: {a!r} came back as {b!r}")
+
+    walk(expected, loaded, where)
+    return found

@@ -15,6 +15,8 @@ from helpers import assert_positive_medians
 
 from lightning_ckpt import bench
 from lightning_ckpt.bench import remote as bench_remote
+from lightning_ckpt.bench import workloads
+from lightning_ckpt.bench.s3 import s3_environment
 
 pytestmark = [
     pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the benchmark reads Linux /proc"),
@@ -29,7 +31,9 @@ def test_bench_remote_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[st
     work_dir = tmp_path / "work"
     json_path = tmp_path / "results" / "remote.json"
     argv = ["--size", "3MB", "--repeats", "1", "--dir", str(work_dir), "--json", str(json_path)]
-    environ = dict(os.environ)
+    # What the run sets (the server's endpoint and credentials, the allocator setting) is put back.
+    keys = [*s3_environment("http://127.0.0.1:1"), "MALLOC_MMAP_THRESHOLD_"]
+    environ = {key: os.environ.get(key) for key in keys}
 
     assert bench.main(["--mode", "remote", *argv]) == 0
 
@@ -69,7 +73,7 @@ def test_bench_remote_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[st
     # and every local folder the run made is gone.
     out = capsys.readouterr().out
     assert "TorchCheckpointIO" in out and "local_tier_stall_vs_local_disk_stall" in out and "{" not in out
-    assert dict(os.environ) == environ
+    assert {key: os.environ.get(key) for key in keys} == environ
     assert not work_dir.exists() or not any(work_dir.rglob("*"))
 
 
@@ -77,16 +81,16 @@ def test_mismatches_are_named() -> None:
     import torch
 
     saved = {"w": torch.tensor([1.0, -0.0]), "betas": (0.9, 0.999), "step": 3}
-    assert bench_remote.mismatches(saved, {"w": torch.tensor([1.0, -0.0]), "betas": (0.9, 0.999), "step": 3}) == []
+    assert workloads.mismatches(saved, {"w": torch.tensor([1.0, -0.0]), "betas": (0.9, 0.999), "step": 3}) == []
     # -0.0 == 0.0 as floats, but not as bytes; a tuple that comes back as a list is a difference too
-    found = bench_remote.mismatches(saved, {"w": torch.tensor([1.0, 0.0]), "betas": [0.9, 0.999], "step": 3})
+    found = workloads.mismatches(saved, {"w": torch.tensor([1.0, 0.0]), "betas": [0.9, 0.999], "step": 3})
     assert found == [
         "checkpoint['w']: the bytes differ",
         "checkpoint['betas']: tuple of 2 came back as list",
     ]
-    assert bench_remote.mismatches(saved, {"w": saved["w"].double(), "betas": (0.9, 0.999)}) == [
+    assert workloads.mismatches(saved, {"w": saved["w"].double(), "betas": (0.9, 0.999)}) == [
         "checkpoint: keys missing [\"'step'\"], unexpected []"
     ]
-    assert bench_remote.mismatches(saved, {**saved, "w": saved["w"].double()}) == [
+    assert workloads.mismatches(saved, {**saved, "w": saved["w"].double()}) == [
         "checkpoint['w']: torch.float32 (2,) came back as torch.float64 (2,)"
     ]

@@ -13,7 +13,7 @@ import pytest
 from helpers import assert_positive_medians
 
 from lightning_ckpt import bench
-from lightning_ckpt.bench import train
+from lightning_ckpt.bench import report, train
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the benchmark reads Linux /proc")
 
@@ -79,10 +79,10 @@ def test_bench_train_cpu_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 def test_bench_train_arguments(capsys: pytest.CaptureFixture[str]) -> None:
-    assert train.parse_count("1.3B", "--params") == 1_300_000_000
-    assert train.parse_count("350M", "--params") == 350_000_000 and train.parse_count("8000", "--params") == 8000
+    assert report.parse_count("1.3B", "--params") == 1_300_000_000
+    assert report.parse_count("350M", "--params") == 350_000_000 and train.parse_count("8000", "--params") == 8000
     with pytest.raises(ValueError, match="--params"):
-        train.parse_count("lots", "--params")
+        report.parse_count("lots", "--params")
     with pytest.raises(SystemExit):
         bench.main(["--mode", "train", "--device", "cpu", "--contenders", "nope"])
     assert "--contenders" in capsys.readouterr().err
