@@ -28,6 +28,7 @@ Only after it are older generations deleted. Invariants:
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import io
 import json
 import os
@@ -41,7 +42,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import fsspec
 from fsspec.spec import AbstractFileSystem
@@ -66,6 +67,7 @@ _LOCAL_PROTOCOLS = ("file", "local")
 # The extra of this package that installs each protocol's fsspec implementation.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 _PROCESS_STARTED_MS = int(time.time() * 1000)
+_T = TypeVar("_T")
 ENCODINGS = {"zstd": ".zst"}
 _PIECE = 4 * 2**20
 # Client errors that no retry fixes (botocore's names; matched by name, botocore being optional).
@@ -178,14 +180,14 @@ def _decoded(source: Any, encoding: str | None, part_size: int) -> Iterator[byte
 
 def _upload(
     fs: AbstractFileSystem, fd: int, local_file: str, remote_file: str, record: fmt.FileRecord, algorithm: str,
-    part_size: int, encoding: str | None = None, level: int = 3,
+    part_size: int, encoding: str | None = None, level: int = 3, parts_pool: concurrent.futures.Executor | None = None,
 ) -> int:
     """Stream the local file open as ``fd`` to ``remote_file`` (``encoding``: compressed on the
     way); the object appears whole when the file's digest matched the manifest's, or not at all.
     Returns the object's size. S3: one part in memory at a time (``_upload_s3``); other
     filesystems: through their buffered file object."""
     if hasattr(fs, "call_s3"):
-        return _upload_s3(fs, fd, local_file, remote_file, record, algorithm, part_size, encoding, level)
+        return _upload_s3(fs, fd, local_file, remote_file, record, algorithm, part_size, encoding, level, parts_pool)
     digest = fmt.hasher(algorithm)
     buffer = bytearray(max(1, min(part_size, _PIECE, record.size)))
     view = memoryview(buffer)
@@ -250,13 +252,15 @@ class _PartBody(io.RawIOBase):
 
 def _upload_s3(
     fs: Any, fd: int, local_file: str, remote_file: str, record: fmt.FileRecord, algorithm: str,
-    part_size: int, encoding: str | None, level: int,
+    part_size: int, encoding: str | None, level: int, parts_pool: concurrent.futures.Executor | None = None,
 ) -> int:
-    """``_upload`` on S3, driving the multipart upload itself. A plain file's parts are hashed in
-    pieces, then sent as streams over the file's range: an upload holds a few MiB, not a part
+    """``_upload`` on S3, driving the multipart upload itself. A plain file's parts are sent as
+    streams over the file's range, on ``parts_pool`` (shared by every file of a save, so the parts
+    of a few large files fill the connections), while this thread hashes the file in order; the
+    upload is completed only if the digest matched. An upload holds a few MiB, not a part
     (s3fs's file object buffers a part, copies it out and lets its buffer grow: ~4 parts
-    measured). Compressed, one part of compressed bytes is held. A file that fits one part is
-    one PUT."""
+    measured). Compressed, parts go one after the other, one part of compressed bytes held. A
+    file that fits one part is one PUT."""
     bucket, key, _ = fs.split_path(remote_file)
     digest = fmt.hasher(algorithm)
     feed, finish = _encoder(encoding, level)
@@ -285,7 +289,30 @@ def _upload_s3(
         return _PartBody(len(data), lambda offset, n: view[offset : offset + n])
 
     try:
-        if encoding is None:
+        if encoding is None and record.size > part_size and parts_pool is not None:
+            upload_id = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+
+            def upload_part(number: int, start: int) -> dict[str, Any]:
+                body = file_range(start, min(part_size, record.size - start))
+                etag = fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body)["ETag"]
+                return {"PartNumber": number, "ETag": etag}
+
+            futures = [
+                parts_pool.submit(_retried_value, functools.partial(upload_part, number, start), f"Uploading part {number} of {local_file!r}")
+                for number, start in enumerate(range(0, record.size, part_size), 1)
+            ]
+            try:
+                while data := os.pread(fd, _PIECE, read):
+                    digest.update(data)
+                    read += len(data)
+                parts = [future.result() for future in futures]
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                concurrent.futures.wait(futures)  # no part still sending when the upload is aborted
+                raise
+            stored = record.size
+        elif encoding is None:
             while True:
                 start = read
                 size = min(part_size, record.size - start)
@@ -390,10 +417,14 @@ def _download(
 def _retried(action: Callable[[], None], what: str) -> None:
     """Run ``action``; retry transient failures (network, 5xx) with backoff. Not retried: damaged
     data, missing buckets or objects, refused permissions."""
+    _retried_value(action, what)
+
+
+def _retried_value(action: Callable[[], _T], what: str) -> _T:
+    """:func:`_retried`, returning what ``action`` returns."""
     for attempt in range(_ATTEMPTS):
         try:
-            action()
-            return
+            return action()
         except (CheckpointError, FileNotFoundError, PermissionError, KeyboardInterrupt):
             raise
         except Exception as err:
@@ -402,6 +433,7 @@ def _retried(action: Callable[[], None], what: str) -> None:
             if attempt + 1 == _ATTEMPTS:
                 raise OSError(f"{what} failed {_ATTEMPTS} times; last error: {type(err).__name__}: {err}") from err
             time.sleep(0.5 * 2**attempt)
+    raise AssertionError("unreachable")
 
 
 def _parallel(jobs: list[Callable[[], None]], concurrency: int) -> None:
@@ -561,7 +593,10 @@ def publish(local: str, url: str, options: RemoteOptions) -> Published:
         def upload(name: str, record: fmt.FileRecord) -> None:
             encoding = encodings.get(name)
             target = f"{folder}/{name}{ENCODINGS[encoding] if encoding else ''}"
-            size = _upload(fs, fds[name], os.path.join(local, name), target, record, manifest.checksum, options.part_size, encoding, options.compression_level)
+            size = _upload(
+                fs, fds[name], os.path.join(local, name), target, record, manifest.checksum, options.part_size, encoding,
+                options.compression_level, parts_pool,
+            )
             if encoding is not None:
                 objects[name] = {"encoding": encoding, "size": size}
 
@@ -569,7 +604,9 @@ def publish(local: str, url: str, options: RemoteOptions) -> Published:
             _job(upload, name, record, what=f"Uploading {name!r}")
             for name, record in sorted(manifest.files.items(), key=lambda item: -item[1].size)  # largest first
         ]
-        _parallel(jobs, options.concurrency)
+        # The parts of multipart uploads (S3), all files' on one pool: `concurrency` parts in flight.
+        with concurrent.futures.ThreadPoolExecutor(options.concurrency, thread_name_prefix="lightning_ckpt-part") as parts_pool:
+            _parallel(jobs, options.concurrency)
         pointer = _pointer_bytes(generation, manifest_bytes, dict(sorted(objects.items())))
         _retried(lambda: fs.pipe_file(f"{folder}/{fmt.MANIFEST_FILE}", manifest_bytes), "Uploading the manifest")
         _retried(lambda: fs.pipe_file(f"{root}/{CURRENT_FILE}", pointer), f"Writing {CURRENT_FILE}")
