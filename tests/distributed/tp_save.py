@@ -76,6 +76,9 @@ def _rank(rank: int, folder: str, report: str) -> None:
     if rank == 0:
         with open(report, "w") as f:
             json.dump({"ranks": gathered}, f)
+    # Both ranks tear gloo down together: a rank whose peer already exited has aborted in gloo's
+    # teardown ("terminate called without an active exception"), once in a full-suite run.
+    dist.barrier()
     dist.destroy_process_group()
 
 
