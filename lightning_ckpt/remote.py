@@ -577,6 +577,7 @@ def publish(local: str, url: str, options: RemoteOptions) -> Published:
     generation = new_generation()
     folder = f"{root}/{generation}"
     parent = root.rsplit("/", 1)[0] if "/" in root else root
+    committing = False
     try:
         if (fs.protocol, parent) not in _cleaned:  # orphans come from earlier processes: once per process
             clean_orphans(fs, parent)
@@ -609,17 +610,15 @@ def publish(local: str, url: str, options: RemoteOptions) -> Published:
             _parallel(jobs, options.concurrency)
         pointer = _pointer_bytes(generation, manifest_bytes, dict(sorted(objects.items())))
         _retried(lambda: fs.pipe_file(f"{folder}/{fmt.MANIFEST_FILE}", manifest_bytes), "Uploading the manifest")
+        committing = True
         _retried(lambda: fs.pipe_file(f"{root}/{CURRENT_FILE}", pointer), f"Writing {CURRENT_FILE}")
     except BaseException as err:
-        _remove_quietly(fs, folder)
-        _cleaned.discard((fs.protocol, parent))  # what this save could not remove, the next one does
-        if isinstance(err, Exception):  # the client's own errors too (no credentials, ...)
-            raise CheckpointWriteError(
-                f"Uploading checkpoint {url!r} failed: {type(err).__name__}: {str(err).rstrip('.')}. Nothing was committed; the checkpoint"
-                " previously at that URL (if any) is unchanged.",
-                url,
-            ) from err
-        raise
+        if committing and _points_at(fs, root, url, generation):
+            # The PUT of CURRENT took effect though its reply was lost: committed. Its generation
+            # must stay; fall through to the clean-up of a committed save.
+            pass
+        else:
+            _fail(fs, folder, parent, url, err)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -628,6 +627,29 @@ def publish(local: str, url: str, options: RemoteOptions) -> Published:
     _remove_other_generations(fs, root, keep=generation)
     stored = sum(objects[n]["size"] if n in objects else r.size for n, r in manifest.files.items()) + len(manifest_bytes)
     return Published(url, generation, stored, time.perf_counter() - start, len(manifest.files) + 1, fmt.digest(manifest_bytes))
+
+
+def _points_at(fs: AbstractFileSystem, root: str, url: str, generation: str) -> bool:
+    """Whether ``CURRENT`` of ``root`` names ``generation`` (``False`` when it cannot be read)."""
+    try:
+        fs.invalidate_cache(root)
+        pointer = read_pointer(fs, root, url)
+    except Exception:
+        return False
+    return pointer is not None and pointer["generation"] == generation
+
+
+def _fail(fs: AbstractFileSystem, folder: str, parent: str, url: str, err: BaseException) -> None:
+    """A publish that did not commit: remove its generation and raise what failed."""
+    _remove_quietly(fs, folder)
+    _cleaned.discard((fs.protocol, parent))  # what this save could not remove, the next one does
+    if isinstance(err, Exception):  # the client's own errors too (no credentials, ...)
+        raise CheckpointWriteError(
+            f"Uploading checkpoint {url!r} failed: {type(err).__name__}: {str(err).rstrip('.')}. Nothing was"
+            " committed; the checkpoint previously at that URL (if any) is unchanged.",
+            url,
+        ) from err
+    raise err
 
 
 def _job(function: Callable[..., None], *args: Any, what: str) -> Callable[[], None]:

@@ -33,13 +33,14 @@ class Faults:
     fail: int = 0
     status: int = 503
     code: str = "SlowDown"  # S3's error code for throttling (503)
+    after: bool = False  # fail after the server carried the request out (a lost reply)
     failed: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def clear(self) -> None:
         with self.lock:
             self.match, self.delay, self.fail, self.failed = (lambda *_: False), 0.0, 0, 0
-            self.status, self.code = 503, "SlowDown"
+            self.status, self.code, self.after = 503, "SlowDown", False
 
     def decide(self, method: str, path: str, query: str) -> tuple[float, bool]:
         with self.lock:
@@ -65,7 +66,11 @@ class S3Server:
             if delay:
                 time.sleep(delay)
             if failing:
-                environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+                if self.faults.after:
+                    for _ in app(environ, lambda *args, **kwargs: None):
+                        pass
+                else:
+                    environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
                 body = f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{self.faults.code}</Code><Message>injected</Message></Error>".encode()
                 start_response(f"{self.faults.status} Injected", [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
                 return [body]

@@ -215,3 +215,19 @@ def test_multipart_objects_roundtrip(s3, compression):
     with pytest.raises(lc.CorruptCheckpointError, match=model):
         io.load_checkpoint(url)
     io.teardown()
+
+
+def test_a_lost_reply_to_the_commit_keeps_the_committed_checkpoint(s3, monkeypatch):
+    """CURRENT stored, but every reply to its PUT lost: the save is committed and must not delete
+    the generation CURRENT now names."""
+    server, prefix = s3
+    monkeypatch.setattr(remote, "_ATTEMPTS", 2)
+    storage_options = {"config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}}}
+    url = f"s3://{prefix}/last.ckpt"
+    lc.save_checkpoint({"state_dict": {"w": torch.zeros(10)}, "global_step": 1}, url)
+    server.faults.match = lambda method, path, query: method == "PUT" and path.endswith("/CURRENT")
+    server.faults.fail, server.faults.status, server.faults.code, server.faults.after = -1, 500, "InternalError", True
+    new = {"state_dict": {"w": torch.arange(10.0)}, "global_step": 2}
+    lc.save_checkpoint(new, url, storage_options=storage_options)
+    server.faults.clear()
+    assert torch.equal(lc.load_checkpoint(url)["state_dict"]["w"], new["state_dict"]["w"])
