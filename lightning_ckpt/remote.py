@@ -178,6 +178,16 @@ def _decoded(source: Any, encoding: str | None, part_size: int) -> Iterator[byte
         yield data
 
 
+def _check_read(local_file: str, read: int, found: str, record: fmt.FileRecord, algorithm: str) -> None:
+    """Refuse to complete an upload whose local file is not what its manifest says."""
+    if read != record.size or found != record.digest:
+        raise CorruptCheckpointError(
+            f"{local_file!r} changed on local disk after it was written (size {read} against {record.size},"
+            f" {algorithm} {found} against {record.digest}); refusing to upload it.",
+            local_file,
+        )
+
+
 def _upload(
     fs: AbstractFileSystem, fd: int, local_file: str, remote_file: str, record: fmt.FileRecord, algorithm: str,
     part_size: int, encoding: str | None = None, level: int = 3, parts_pool: concurrent.futures.Executor | None = None,
@@ -203,13 +213,7 @@ def _upload(
         tail = finish()
         stream.write(tail)
         stored += len(tail)
-        found = digest.hexdigest()
-        if read != record.size or found != record.digest:
-            raise CorruptCheckpointError(
-                f"{local_file!r} changed on local disk after it was written (size {read} against {record.size},"
-                f" {algorithm} {found} against {record.digest}); refusing to upload it.",
-                local_file,
-            )
+        _check_read(local_file, read, digest.hexdigest(), record, algorithm)
         stream.close()  # completes the upload
     except BaseException:
         _discard(stream)
@@ -343,13 +347,7 @@ def _upload_s3(
                     if pending or upload_id is None:  # no empty last part after a full one
                         send(buffered(pending), len(pending), True)
                     break
-        found = digest.hexdigest()
-        if read != record.size or found != record.digest:
-            raise CorruptCheckpointError(
-                f"{local_file!r} changed on local disk after it was written (size {read} against {record.size},"
-                f" {algorithm} {found} against {record.digest}); refusing to upload it.",
-                local_file,
-            )
+        _check_read(local_file, read, digest.hexdigest(), record, algorithm)
         if upload_id is not None:
             fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
     except BaseException:
