@@ -12,7 +12,6 @@ from collections import OrderedDict, deque
 import json
 import os
 import secrets
-import shutil
 import sys
 import threading
 import time
@@ -146,13 +145,9 @@ def save_checkpoint(
         if not remote.is_remote(path):
             return _write(prepared, _check_local(path, "path"), shard_writer)
         url, options = os.fspath(path), remote.RemoteOptions(storage_options or {})
-        spool = remote.spool_dir()
-        local = os.path.join(spool, "checkpoint")
-        try:
+        local, spool = remote.spool_target()
+        with remote.spool_removed_on_failure(spool):
             result = _write(prepared, local, shard_writer)
-        except BaseException:
-            shutil.rmtree(spool, ignore_errors=True)
-            raise
         published = remote.publish_committed(local, url, options, spool)
         return WriteResult(url, published.nbytes, result.seconds + published.seconds, result.files, result.direct_io)
     finally:
@@ -451,8 +446,7 @@ class ShardedCheckpointIO(CheckpointIO):
             return path, None
         if self.remote.local_dir is not None:
             return self.remote.local_path(path), None
-        spool = remote.spool_dir()
-        return os.path.join(spool, "checkpoint"), spool
+        return remote.spool_target()
 
     def _save(self, path: str, prepare: Callable[[], _Prepared], can_skip: bool = True) -> None:
         with self._lock:
@@ -496,12 +490,8 @@ class ShardedCheckpointIO(CheckpointIO):
         """A synchronous save; of a URL: committed locally, then published (here, or in the
         background with a local tier). Multi-rank: rank 0 publishes once it committed the whole."""
         local, spool = self._local_target(path)
-        try:
+        with remote.spool_removed_on_failure(spool):
             result = _write(prepared, local, self._writer)
-        except BaseException:
-            if spool is not None:
-                shutil.rmtree(spool, ignore_errors=True)
-            raise
         publishes = local != path and (prepared.part is None or prepared.part.rank == 0)
         if publishes and spool is not None:
             published = remote.publish_committed(local, path, self.remote, spool)

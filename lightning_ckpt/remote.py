@@ -28,6 +28,7 @@ Only after it are older generations deleted. Invariants:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import io
 import json
@@ -68,11 +69,11 @@ _LOCAL_PROTOCOLS = ("file", "local")
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 _PROCESS_STARTED_MS = int(time.time() * 1000)
 _T = TypeVar("_T")
-ENCODINGS = {"zstd": ".zst"}
-_PIECE = 4 * 2**20
+ENCODINGS = {"zstd": ".zst"}  # how a file may be stored remotely -> the suffix of its object
+_PIECE = 4 * 2**20  # bytes read (and compressed, decompressed) at a time
 # Client errors that no retry fixes (botocore's names; matched by name, botocore being optional).
-_NOT_TRANSIENT = {"NoCredentialsError", "PartialCredentialsError", "NoRegionError", "ParamValidationError", "InvalidConfigError"}  # bytes read (and compressed) at a time
-_cleaned: set[tuple[Any, str]] = set()  # (protocol, folder) already rid of orphans by this process  # how a file may be stored remotely -> the suffix of its object
+_NOT_TRANSIENT = {"NoCredentialsError", "PartialCredentialsError", "NoRegionError", "ParamValidationError", "InvalidConfigError"}
+_cleaned: set[tuple[Any, str]] = set()  # (protocol, folder) already rid of orphans by this process
 
 
 def is_remote(path: Any) -> bool:
@@ -190,7 +191,7 @@ def _check_read(local_file: str, read: int, found: str, record: fmt.FileRecord, 
 
 def _upload(
     fs: AbstractFileSystem, fd: int, local_file: str, remote_file: str, record: fmt.FileRecord, algorithm: str,
-    part_size: int, encoding: str | None = None, level: int = 3, parts_pool: concurrent.futures.Executor | None = None,
+    part_size: int, encoding: str | None, level: int, parts_pool: concurrent.futures.Executor,
 ) -> int:
     """Stream the local file open as ``fd`` to ``remote_file`` (``encoding``: compressed on the
     way); the object appears whole when the file's digest matched the manifest's, or not at all.
@@ -256,7 +257,7 @@ class _PartBody(io.RawIOBase):
 
 def _upload_s3(
     fs: Any, fd: int, local_file: str, remote_file: str, record: fmt.FileRecord, algorithm: str,
-    part_size: int, encoding: str | None, level: int, parts_pool: concurrent.futures.Executor | None = None,
+    part_size: int, encoding: str | None, level: int, parts_pool: concurrent.futures.Executor,
 ) -> int:
     """``_upload`` on S3, driving the multipart upload itself. A plain file's parts are sent as
     streams over the file's range, on ``parts_pool`` (shared by every file of a save, so the parts
@@ -293,20 +294,23 @@ def _upload_s3(
         return _PartBody(len(data), lambda offset, n: view[offset : offset + n])
 
     try:
-        if encoding is None and record.size > part_size and parts_pool is not None:
-            upload_id = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        if encoding is None:
+            multipart = record.size > part_size
+            futures: list[concurrent.futures.Future[dict[str, Any]]] = []
+            if multipart:
+                upload_id = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
 
-            def upload_part(number: int, start: int) -> dict[str, Any]:
-                body = file_range(start, min(part_size, record.size - start))
-                etag = fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body)["ETag"]
-                return {"PartNumber": number, "ETag": etag}
+                def upload_part(number: int, start: int) -> dict[str, Any]:
+                    body = file_range(start, min(part_size, record.size - start))
+                    etag = fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body)["ETag"]
+                    return {"PartNumber": number, "ETag": etag}
 
-            futures = [
-                parts_pool.submit(_retried_value, functools.partial(upload_part, number, start), f"Uploading part {number} of {local_file!r}")
-                for number, start in enumerate(range(0, record.size, part_size), 1)
-            ]
+                futures = [
+                    parts_pool.submit(_retried, functools.partial(upload_part, number, start), f"Uploading part {number} of {local_file!r}")
+                    for number, start in enumerate(range(0, record.size, part_size), 1)
+                ]
             try:
-                while data := os.pread(fd, _PIECE, read):
+                while data := os.pread(fd, _PIECE, read):  # to the end: a longer file is caught too
                     digest.update(data)
                     read += len(data)
                 parts = [future.result() for future in futures]
@@ -315,23 +319,10 @@ def _upload_s3(
                     future.cancel()
                 concurrent.futures.wait(futures)  # no part still sending when the upload is aborted
                 raise
-            stored = record.size
-        elif encoding is None:
-            while True:
-                start = read
-                size = min(part_size, record.size - start)
-                for offset in range(start, start + size, _PIECE):  # hash the part first
-                    data = os.pread(fd, min(_PIECE, start + size - offset), offset)
-                    digest.update(data)
-                    read += len(data)
-                    if len(data) < min(_PIECE, start + size - offset):
-                        break  # shorter than the manifest says: reported below
-                last = read >= record.size or read - start < size
-                if read > start or not parts:
-                    send(file_range(start, read - start), read - start, last)
-                if last:
-                    read += len(os.pread(fd, 1, read))  # a file longer than the manifest says
-                    break
+            if not multipart:  # one PUT, once the file proved to be the manifest's
+                _check_read(local_file, read, digest.hexdigest(), record, algorithm)
+                fs.call_s3("put_object", Bucket=bucket, Key=key, Body=file_range(0, read))
+            stored = read
         else:
             while True:
                 data = os.pread(fd, _PIECE, read)
@@ -394,7 +385,11 @@ def _download(
     finally:
         if sink is not None:
             sink.close()
-    found = digest.hexdigest()
+    _check_object(url, name, remote_file, size, digest.hexdigest(), record, algorithm)
+
+
+def _check_object(url: str, name: str, remote_file: str, size: int, found: str, record: fmt.FileRecord, algorithm: str) -> None:
+    """``CorruptCheckpointError`` naming the object when what it held is not the manifest's file."""
     if size != record.size:
         raise CorruptCheckpointError(
             f"{url!r}: object {name!r} (stored as {remote_file!r}) holds {size} bytes, the manifest says {record.size}; the remote checkpoint is"
@@ -412,14 +407,9 @@ def _download(
         )
 
 
-def _retried(action: Callable[[], None], what: str) -> None:
-    """Run ``action``; retry transient failures (network, 5xx) with backoff. Not retried: damaged
-    data, missing buckets or objects, refused permissions."""
-    _retried_value(action, what)
-
-
-def _retried_value(action: Callable[[], _T], what: str) -> _T:
-    """:func:`_retried`, returning what ``action`` returns."""
+def _retried(action: Callable[[], _T], what: str) -> _T:
+    """What ``action`` returns; transient failures (network, 5xx) retried with backoff. Not
+    retried: damaged data, missing buckets or objects, refused permissions."""
     for attempt in range(_ATTEMPTS):
         try:
             return action()
@@ -517,13 +507,11 @@ class Committed:
 
     def stored_bytes(self) -> int:
         """Bytes the generation's objects take (encoded files at their encoded size)."""
-        return sum(self.objects[n]["size"] if n in self.objects else r.size for n, r in self.manifest.files.items()) + len(self.manifest_bytes)
+        return _stored_bytes(self.manifest, self.manifest_bytes, self.objects)
 
 
-def read_manifest(url: str, options: RemoteOptions) -> tuple[fmt.Manifest, bytes, str]:
-    """The committed manifest of the remote checkpoint at ``url``: (manifest, its bytes, generation folder)."""
-    committed = read_committed(url, options)
-    return committed.manifest, committed.manifest_bytes, committed.folder
+def _stored_bytes(manifest: fmt.Manifest, manifest_bytes: bytes, objects: dict[str, dict[str, Any]]) -> int:
+    return sum(objects[n]["size"] if n in objects else r.size for n, r in manifest.files.items()) + len(manifest_bytes)
 
 
 def read_committed(url: str, options: RemoteOptions) -> Committed:
@@ -623,7 +611,7 @@ def publish(local: str, url: str, options: RemoteOptions) -> Published:
     # Committed. Older generations are garbage now; failing to delete them does not fail the save
     # (the next save of this URL, or of its folder from a later process, removes them).
     _remove_other_generations(fs, root, keep=generation)
-    stored = sum(objects[n]["size"] if n in objects else r.size for n, r in manifest.files.items()) + len(manifest_bytes)
+    stored = _stored_bytes(manifest, manifest_bytes, objects)
     return Published(url, generation, stored, time.perf_counter() - start, len(manifest.files) + 1, fmt.digest(manifest_bytes))
 
 
@@ -698,6 +686,11 @@ def _remove_other_generations(fs: AbstractFileSystem, root: str, keep: str) -> N
             _remove_quietly(fs, f"{root}/{name}")
 
 
+def _holds_only_ours(children: list[str]) -> bool:
+    """Whether a folder holding ``children`` is a remote checkpoint of ours: a pointer and generations only."""
+    return all(c == CURRENT_FILE or _GENERATION.fullmatch(c) for c in children)
+
+
 def clean_orphans(fs: AbstractFileSystem, folder: str) -> list[str]:
     """Delete what interrupted saves into ``folder`` left: generations no ``CURRENT`` names and
     unfinished multipart uploads of generations. Only those begun before this process started,
@@ -707,7 +700,7 @@ def clean_orphans(fs: AbstractFileSystem, folder: str) -> list[str]:
         root = f"{folder}/{name}"
         children = _listing(fs, root)
         generations = [c for c in children if _GENERATION.fullmatch(c)]
-        if not generations or (set(children) - set(generations) - {CURRENT_FILE}):
+        if not generations or not _holds_only_ours(children):
             continue  # not a remote checkpoint of ours
         committed = None
         if CURRENT_FILE in children:
@@ -737,7 +730,7 @@ def _abort_multipart_uploads(fs: AbstractFileSystem, folder: str) -> list[str]:
         for upload in uploads:
             key, initiated = upload["Key"], upload.get("Initiated")
             begun_ms = initiated.timestamp() * 1000 if initiated is not None else 0
-            if re.search(r"/gen-\d{13}-[0-9a-f]{8}/", key) and begun_ms < _PROCESS_STARTED_MS:
+            if any(_GENERATION.fullmatch(part) for part in key.split("/")) and begun_ms < _PROCESS_STARTED_MS:
                 fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload["UploadId"])
                 aborted.append(f"{bucket}/{key}")
     except Exception as err:
@@ -851,17 +844,12 @@ def _ranged_download_jobs(
 
         def check(local: str = local, record: fmt.FileRecord = record, name: str = name, path: str = path) -> None:
             digest = fmt.hasher(committed.manifest.checksum)
+            size = 0
             with open(local, "rb", buffering=0) as f:
                 while chunk := f.read(_PIECE):
                     digest.update(chunk)
-            if (found_digest := digest.hexdigest()) != record.digest:
-                raise CorruptCheckpointError(
-                    f"{url!r}: checksum mismatch in object {name!r} (stored as {path!r};"
-                    f" {committed.manifest.checksum}: expected {record.digest}, found {found_digest}); the remote"
-                    " checkpoint is damaged. Resume from another checkpoint.",
-                    url,
-                    name,
-                )
+                    size += len(chunk)
+            _check_object(url, name, path, size, digest.hexdigest(), record, committed.manifest.checksum)
 
         found[name] = (ranges, check)
     return found
@@ -899,7 +887,7 @@ def remove(url: str, options: RemoteOptions) -> None:
     children = _listing(fs, root)
     if not children:
         return
-    if set(children) - {CURRENT_FILE} - {c for c in children if _GENERATION.fullmatch(c)}:
+    if not _holds_only_ours(children):
         raise CheckpointError(
             f"Refusing to remove {url!r}: it holds objects other than {CURRENT_FILE} and generations, so it is not a"
             " lightning_ckpt remote checkpoint. Remove it by hand if it should go.",
@@ -914,10 +902,23 @@ def remove(url: str, options: RemoteOptions) -> None:
 # The local tier: a copy of each remote checkpoint on local disk.
 
 
-def spool_dir(root: str | None = None) -> str:
-    """A private temporary folder (under ``root``, default the temporary folder) a save is
-    committed in before it is uploaded, or a load downloads into (no local tier)."""
-    return tempfile.mkdtemp(prefix=".lightning_ckpt-spool-", dir=root)
+def spool_target(root: str | None = None) -> tuple[str, str]:
+    """(the local checkpoint directory, the private temporary folder holding it) that a save is
+    committed in before it is uploaded, or a load downloads into, without a local tier; under
+    ``root``, default the temporary folder."""
+    spool = tempfile.mkdtemp(prefix=".lightning_ckpt-spool-", dir=root)
+    return os.path.join(spool, "checkpoint"), spool
+
+
+@contextlib.contextmanager
+def spool_removed_on_failure(spool: str | None) -> Iterator[None]:
+    """Remove ``spool`` (if any) when the block fails: what it held goes nowhere."""
+    try:
+        yield
+    except BaseException:
+        if spool is not None:
+            shutil.rmtree(spool, ignore_errors=True)
+        raise
 
 
 _SHARED_MEMORY = "/dev/shm"
@@ -1012,12 +1013,9 @@ def local_copy_for_load(url: str, options: RemoteOptions) -> tuple[str, Callable
     data valid, and the memory is freed with the tensors).
     """
     if options.local_dir is None:
-        spool = spool_dir(_download_root(read_committed(url, options).manifest.total_bytes))
-        try:
-            local = fetch(url, options, os.path.join(spool, "checkpoint"))
-        except BaseException:
-            shutil.rmtree(spool, ignore_errors=True)
-            raise
+        local, spool = spool_target(_download_root(read_committed(url, options).manifest.total_bytes))
+        with spool_removed_on_failure(spool):
+            fetch(url, options, local)
         return local, lambda: shutil.rmtree(spool, ignore_errors=True)
     local = options.local_path(url)
     if _local_copy_is_current(local, url, options):

@@ -20,7 +20,6 @@ import mmap
 import os
 import pickle
 import select
-import shutil
 import signal
 import socket
 import struct
@@ -378,7 +377,7 @@ def _serve(sock: socket.socket) -> None:
                 assert writer is not None and pool is not None
                 started = time.perf_counter()
                 local, spool = message.get("local"), message.get("spool")  # a URL: committed here first
-                try:
+                with remote.spool_removed_on_failure(spool):
                     result = write_checkpoint(
                         message["plan"],
                         local or message["path"],
@@ -390,10 +389,6 @@ def _serve(sock: socket.socket) -> None:
                         images=_StagedImages(sock, pool, message, backlog),
                         part=message.get("part"),
                     )
-                except BaseException:
-                    if spool is not None:
-                        shutil.rmtree(spool, ignore_errors=True)
-                    raise
                 part = message.get("part")
                 if local is not None and (part is None or part.rank == 0):  # then durable when published
                     published = remote.publish_committed(local, message["path"], options, spool)

@@ -60,7 +60,7 @@ def test_inspect_json_describes_the_committed_generation(memory_fs, capsys):
     lc.save_checkpoint(_state(), URL)
     assert main(["inspect", URL, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)  # the whole of stdout is one document
-    manifest, _, _ = remote.read_manifest(URL, remote.RemoteOptions())
+    manifest = remote.read_committed(URL, remote.RemoteOptions()).manifest
     assert doc["path"] == URL and doc["generation"] == _generation(memory_fs)
     assert doc["format"] == "lightning_ckpt" and doc["format_version"] == lc.FORMAT_VERSION
     assert doc["global_step"] == 7 and doc["epoch"] == 2 and doc["total_bytes"] == manifest.total_bytes
