@@ -59,11 +59,9 @@ Policy = Union[set[type[torch.nn.Module]], Callable[[torch.nn.Module], bool]]
 # Selective mode keeps the outputs of these ops (the expensive ones: matmuls, attention) and
 # recomputes everything else (norms, activations, dropout, residual adds, views). Names that this
 # torch build lacks are skipped.
+SELECTIVE_MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm")
 SELECTIVE_SAVE_OPS = (
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
+    *SELECTIVE_MATMUL_OPS,
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention",
@@ -76,10 +74,14 @@ class ActivationCheckpointingError(RuntimeError):
     """A checkpointed module cannot be recomputed safely (it updates its inputs or buffers in place)."""
 
 
+# The values of ``selective``: what a checkpointed layer keeps (True means "matmuls").
+SELECTIVE_MODES = ("matmuls", "every_other_matmul")
+
+
 @dataclass(frozen=True)
 class _Options:
     preserve_rng_state: bool
-    selective: bool
+    selective: Optional[str]  # one of SELECTIVE_MODES, or None: recompute everything
     check_inplace: bool
 
 
@@ -103,22 +105,73 @@ class _Installed:
         return (_Installed, (self.module, self.impl, self.bound, self.options, self.path))
 
 
-@functools.lru_cache(maxsize=1)
-def _selective_save_ops() -> frozenset[Any]:
+def _aten_ops(names: tuple[str, ...]) -> frozenset[Any]:
     ops = set()
-    for name in SELECTIVE_SAVE_OPS:
+    for name in names:
         packet = getattr(torch.ops.aten, name, None)
         if packet is not None:
             ops.update(getattr(packet, overload) for overload in packet.overloads())
     return frozenset(ops)
 
 
+@functools.lru_cache(maxsize=1)
+def _selective_save_ops() -> frozenset[Any]:
+    return _aten_ops(SELECTIVE_SAVE_OPS)
+
+
+@functools.lru_cache(maxsize=1)
+def _matmul_ops() -> frozenset[Any]:
+    return _aten_ops(SELECTIVE_MATMUL_OPS)
+
+
 def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _selective_save_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _every_other_matmul_policy() -> Callable[..., CheckpointPolicy]:
+    """Keep attention outputs and the 1st, 3rd, ... matmul of one layer call; recompute the rest.
+
+    The forward and the recompute count their matmuls separately (``ctx.is_recompute``), so both
+    pick the same ones: the recompute replays the forward's ops in the same order.
+    """
+    counts = {False: 0, True: 0}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op not in _selective_save_ops():
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if op in _matmul_ops():
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    return policy
+
+
 def _selective_context() -> Any:
     return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def _every_other_matmul_context() -> Any:  # a fresh count for every checkpointed call
+    return create_selective_checkpoint_contexts(_every_other_matmul_policy())
+
+
+_CONTEXTS = {"matmuls": _selective_context, "every_other_matmul": _every_other_matmul_context}
+
+
+def _selective_mode(selective: Any) -> Optional[str]:
+    """``selective`` as one of ``SELECTIVE_MODES`` (None for False); a clear error otherwise."""
+    if selective is False or selective is None:
+        return None
+    if selective is True:
+        return "matmuls"
+    if isinstance(selective, str) and selective in SELECTIVE_MODES:
+        return selective
+    raise ValueError(
+        f"`selective={selective!r}` must be False (recompute everything), True or 'matmuls' (keep every matmul and"
+        " attention output), or 'every_other_matmul' (keep attention outputs and every other matmul: more memory"
+        " saved, more recompute)."
+    )
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -180,13 +233,13 @@ def _checkpointed_forward(installed: _Installed, *args: Any, **kwargs: Any) -> A
     fn = functools.partial(impl, **kwargs) if kwargs else impl
     check = options.check_inplace and not torch.compiler.is_compiling()
     before = _inplace_report(installed, args, kwargs) if check else None
-    if options.selective:
+    if options.selective is not None:
         out = checkpoint(
             fn,
             *args,
             use_reentrant=False,
             preserve_rng_state=options.preserve_rng_state,
-            context_fn=_selective_context,
+            context_fn=_CONTEXTS[options.selective],
         )
     else:  # no ``context_fn`` at all: dynamo rejects an explicit ``noop_context_fn``
         out = checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=options.preserve_rng_state)
@@ -261,7 +314,7 @@ def apply_activation_checkpointing(
     policy: Policy,
     *,
     every_n_layers: int = 1,
-    selective: bool = False,
+    selective: Union[bool, str] = False,
     preserve_rng_state: bool = True,
     check_inplace: bool = True,
 ) -> list[str]:
@@ -274,7 +327,7 @@ def apply_activation_checkpointing(
     """
     match = _normalize_policy(policy)
     _check_every_n(every_n_layers)
-    options = _Options(preserve_rng_state=preserve_rng_state, selective=selective, check_inplace=check_inplace)
+    options = _Options(preserve_rng_state=preserve_rng_state, selective=_selective_mode(selective), check_inplace=check_inplace)
     found = _matches(module, match)
     if not found:
         raise ValueError(
@@ -327,9 +380,13 @@ class ActivationCheckpointing(Callback):
             checkpointed when matches nest.
         every_n_layers: checkpoint only every n-th matching layer (the n-th, 2n-th, ... in module
             order); the others keep their activations. Less recompute, less memory saved.
-        selective: keep the outputs of matmuls and attention (``SELECTIVE_SAVE_OPS``) inside each
-            checkpointed layer and recompute only the cheap ops (norms, activations, dropout,
-            adds), via ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
+        selective: ``True`` (or ``"matmuls"``): keep the outputs of matmuls and attention
+            (``SELECTIVE_SAVE_OPS``) inside each checkpointed layer and recompute only the cheap
+            ops (norms, activations, dropout, adds), via
+            ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
+            ``"every_other_matmul"``: keep attention outputs and the 1st, 3rd, ... matmul of each
+            layer, recompute the others too (torchtitan's op-level selective policy): more memory
+            saved than ``"matmuls"``, for more recompute.
         preserve_rng_state: restore the RNG state for the recompute so dropout draws the same mask
             (``torch.utils.checkpoint``'s option; leave it on unless the layers draw no random numbers).
         check_inplace: in eager mode, raise :class:`ActivationCheckpointingError` when a
@@ -345,12 +402,13 @@ class ActivationCheckpointing(Callback):
         self,
         policy: Union[set[Union[type[torch.nn.Module], str]], Callable[[torch.nn.Module], bool]],
         every_n_layers: int = 1,
-        selective: bool = False,
+        selective: Union[bool, str] = False,
         preserve_rng_state: bool = True,
         check_inplace: bool = True,
     ) -> None:
         self._match = _normalize_policy(policy)
         _check_every_n(every_n_layers)
+        _selective_mode(selective)
         self.policy = policy
         self.every_n_layers = every_n_layers
         self.selective = selective

@@ -49,7 +49,12 @@ def train(options: dict | None, steps: int = 3, model: nn.Module | None = None, 
     return losses, grads, model
 
 
-MODES = {"every layer": {}, "every 2nd layer": {"every_n_layers": 2}, "selective": {"selective": True}}
+MODES = {
+    "every layer": {},
+    "every 2nd layer": {"every_n_layers": 2},
+    "selective": {"selective": True},
+    "selective every other matmul": {"selective": "every_other_matmul"},
+}
 
 
 @pytest.mark.parametrize("options", MODES.values(), ids=MODES.keys())
@@ -117,6 +122,10 @@ def _matmuls_per_step(options: dict | None) -> int:
 def test_selective_mode_does_not_recompute_matmuls_full_mode_does():
     plain = _matmuls_per_step(None)
     assert _matmuls_per_step({"selective": True}) == plain
+    assert _matmuls_per_step({"selective": "matmuls"}) == plain
+    # qkv (1st) and fc1 (3rd) kept; proj (2nd) recomputed; fc2 (4th) would be, but backward needs
+    # nothing the recompute would produce after it, so the recompute stops before it.
+    assert _matmuls_per_step({"selective": "every_other_matmul"}) == plain + 4
     # qkv, proj and fc1 recomputed in each of 4 blocks; the recompute stops early, before fc2,
     # whose output backward does not need.
     assert _matmuls_per_step({}) == plain + 3 * 4
@@ -175,6 +184,7 @@ def test_callable_policy_dotted_names_and_outermost_matches_only():
         ({"policy": {"no_such_module.Block"}}, "cannot import 'no_such_module.Block'"),
         ({"policy": {int}}, "is not a `torch.nn.Module` subclass"),
         ({"policy": {Block}, "every_n_layers": 0}, "`every_n_layers=0` must be a positive integer"),
+        ({"policy": {Block}, "selective": "attention"}, "`selective='attention'` must be False .* or 'every_other_matmul'"),
     ],
 )
 def test_configuration_errors_at_construction(kwargs, message):
@@ -244,7 +254,9 @@ def test_fsdp_strategy_policy_conflict_is_reported_at_setup():
         ActivationCheckpointing(policy={Block}).setup(trainer, None, "fit")
 
 
-@pytest.mark.parametrize("selective", [False, True], ids=["every layer", "selective"])
+@pytest.mark.parametrize(
+    "selective", [False, True, "every_other_matmul"], ids=["every layer", "selective", "selective every other matmul"]
+)
 def test_compiled_model_no_recompiles_and_checkpoint_in_the_graph(selective):
     """Through AOTAutograd (as inductor): bit-identical with dropout. Dynamo's debug backend
     ``"eager"`` runs the checkpoint op without restoring the RNG state: dropout masks differ."""
@@ -284,3 +296,17 @@ def test_bench_mode_activations_is_wired_and_judges_the_targets(capsys):
     assert verdicts["every_layer_met"] and verdicts["selective_met"]
     assert verdicts["selective_share_of_every_layer_saving"] == pytest.approx(30 / 70)
     assert not bench_activations._verdicts({"off": row(100, 1.0), "every layer": row(30, 1.5), "selective": row(90, 1.0)})["every_layer_met"]
+
+
+def test_bench_activations_times_every_configuration_on_one_model_and_measures_memory():
+    from lightning_ckpt.bench import activations as bench_activations
+
+    task = {"device": "cpu", "layers": 2, "hidden": 16, "heads": 2, "seq": 8, "batch": 2, "vocab": 32, "steps": 2, "threads": 0}
+    timing = bench_activations._measure_time({**task, "configs": bench_activations.CONFIGS, "repeats": 2})
+    assert timing["errors"] == {}
+    assert [sorted(r) for r in timing["rounds"]] == [sorted(bench_activations.CONFIGS)] * 2
+    assert all(len(times) == 2 and all(t > 0 for t in times) for r in timing["rounds"] for times in r.values())
+    memory = bench_activations._measure_memory({**task, "options": {"every_n_layers": 2}})
+    assert memory["param_bytes"] > 0 and memory["peak_activation_bytes"] >= 0
+    bad = bench_activations._measure_time({**task, "configs": {"off": None, "bad": {"every_n_layers": 0}}, "repeats": 2})
+    assert set(bad["errors"]) == {"bad"} and all(set(r) == {"off"} for r in bad["rounds"])
