@@ -41,6 +41,8 @@ Contenders:
   use_async_staging=False, use_non_blocking_copy=False))`` kept across saves (warm staging
   buffers); durable when the future completes (FileSystemWriter fsyncs its files). It saves the
   same Lightning dict (non-tensor values are pickled by DCP).
+* ``dcp_sync``: ``torch.distributed.checkpoint.save`` of the same dict, no process group (durable
+  when it returns: FileSystemWriter fsyncs its files).
 * ``sharded_async``: ``ShardedCheckpointIO(async_save=True)``; durable = start of the save call +
   ``WriteResult.seconds`` (save call -> committed and durable, as the writer process reports it),
   from ``io.last_save`` and ``io.poll()`` between steps (never blocking).
@@ -113,7 +115,7 @@ from lightning_ckpt.bench.workloads import (
     state_tensors,
 )
 
-CONTENDERS = ("torch_io", "async_io", "dcp_async", "sharded_async", "sharded_sync")
+CONTENDERS = ("torch_io", "async_io", "dcp_async", "dcp_sync", "sharded_async", "sharded_sync")
 REFERENCE = "plain_copy"
 ALL = (*CONTENDERS, REFERENCE)
 ASYNC_CONTENDERS = ("async_io", "dcp_async", "sharded_async")
@@ -126,6 +128,7 @@ _CONTENDER_TITLES = {
     "torch_io": "torch_io (sync)",
     "async_io": "async_io (Lightning)",
     "dcp_async": "dcp_async (thread)",
+    "dcp_sync": "dcp_sync (DCP save)",
     "sharded_async": "sharded_async",
     "sharded_sync": "sharded_sync",
 }
@@ -236,9 +239,11 @@ def _train_loop(task: Task) -> Metrics:
             helpers = {pid: proc_status(pid) for pid in contender.helper_pids()}
         helper_pids = contender.helper_pids()
     finally:
+        teardown_start = time.perf_counter()
         try:
             contender.teardown()
         finally:
+            teardown_seconds = time.perf_counter() - teardown_start
             bytes_on_disk = path_bytes(durable_on_disk[-1]) if durable_on_disk else None
             for record in saves:
                 remove_path(record["path"])
@@ -259,6 +264,7 @@ def _train_loop(task: Task) -> Metrics:
         helpers,
         helpers_alive,
         extra={
+            "teardown_seconds": teardown_seconds,
             "baseline_steps": len(baseline_steps),
             "loop_seconds": loop_end - saves[0]["step_start"] if saves else None,
             "steps_after_warmup": len(steps),
@@ -471,7 +477,7 @@ def render_table(report: dict[str, Any]) -> Any:
         ),
         caption=(
             "stall = step holding the save - baseline median step; stall+next = that step + the next one -"
-            " 2 x baseline median; durable = save call -> bytes durable;"
+            " 2 x baseline median; durable = save call -> bytes durable; teardown = the contender's teardown after the loop;"
             " writing = steps started while saves 2..N were being written, x baseline median / p95"
             " (p95 x all: saves 1..N);"
             " RSS flat = max-min post-save RSS over saves 2..N"
@@ -485,6 +491,7 @@ def render_table(report: dict[str, Any]) -> Any:
         "stall+next steady s",
         "call steady s",
         "durable s",
+        "teardown s",
         "writing med x",
         "p95 x",
         "p95 x all",
@@ -512,6 +519,7 @@ def render_table(report: dict[str, Any]) -> Any:
             fmt(m(summary, "stall_with_next_steady_median_seconds"), 3),
             fmt(m(summary, "call_steady_median_seconds"), 3),
             fmt(durable, 3),
+            fmt(m(summary, "teardown_seconds"), 3),
             fmt(m(summary, "step_while_writing_steady_median_ratio")),
             fmt(m(summary, "step_while_writing_steady_p95_ratio")),
             fmt(m(summary, "step_while_writing_p95_ratio")),
@@ -534,6 +542,10 @@ def render_table(report: dict[str, Any]) -> Any:
             *[""] * (len(columns) - 4),
         )
     return table
+
+
+def _plus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a + b
 
 
 def _ratios(contenders: dict[str, Metrics], copy: Metrics | None) -> Metrics:
@@ -570,6 +582,15 @@ def _ratios(contenders: dict[str, Metrics], copy: Metrics | None) -> Metrics:
             m(ours, "stall_with_next_steady_median_seconds"), m(dcp, "stall_with_next_steady_median_seconds")
         ),
         "peak_rss": ratio(m(ours, "peak_rss_mb"), m(dcp, "peak_rss_mb")),
+    }
+    dcp_sync = summary("dcp_sync")
+    ratios["sharded_async_vs_dcp_sync"] = {
+        "durable_steady": ratio(m(ours, "durable_steady_median_seconds"), m(dcp_sync, "durable_steady_median_seconds")),
+        # the last save's durable time plus the teardown that follows it (what a run's end waits for)
+        "durable_steady_plus_teardown": ratio(
+            _plus(m(ours, "durable_steady_median_seconds"), m(ours, "teardown_seconds")),
+            _plus(m(dcp_sync, "durable_steady_median_seconds"), m(dcp_sync, "teardown_seconds")),
+        ),
     }
     copy_summary = copy["summary"] if copy else None
     ratios["plain_copy_vs_torch_io_stall"] = ratio(m(copy_summary, "seconds"), m(torch_io, "stall_steady_median_seconds"))
@@ -774,6 +795,7 @@ def main(argv: list[str] | None = None) -> int:
                 "torch_io": "save_checkpoint + fsync of the file",
                 "async_io": "the wrapped inner TorchCheckpointIO's save + fsync finished (background thread)",
                 "dcp_async": "the async_save future completed (FileSystemWriter fsyncs its files)",
+                "dcp_sync": "dcp.save returned (FileSystemWriter fsyncs its files)",
                 "sharded_async": "start of save_checkpoint + WriteResult.seconds from io.last_save / io.poll() (save call -> committed + durable)",
                 "sharded_sync": "save_checkpoint returned",
             },

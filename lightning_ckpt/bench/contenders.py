@@ -277,6 +277,17 @@ class DcpAsync(Contender):
                 dist.destroy_process_group()
 
 
+class DcpSync(Contender):
+    """``torch.distributed.checkpoint.save`` (synchronous, no process group): durable when it returns
+    (its ``FileSystemWriter`` fsyncs every file)."""
+
+    def save(self, checkpoint: dict[str, Any], path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(checkpoint, checkpoint_id=path)
+        self.done.put((path, time.perf_counter()))
+
+
 class Sharded(Contender):
     """``ShardedCheckpointIO``, sync or async. An async save is durable at its call's start plus
     ``WriteResult.seconds`` (from the save call until committed and durable, as the writer process
@@ -336,6 +347,8 @@ def make_contender(
         return AsyncIO(run_dir)
     if name == "dcp_async":
         return DcpAsync(run_dir, device, **(dcp or {}))
+    if name == "dcp_sync":
+        return DcpSync()
     if name == "sharded_async":
         return Sharded(run_dir, asynchronous=True, max_write_rate=max_write_rate)
     if name == "sharded_sync":

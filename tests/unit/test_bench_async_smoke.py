@@ -53,6 +53,7 @@ def test_bench_async_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str
             "durable_steady_median_seconds",
             "peak_hwm_mb",
         )
+        assert summary["teardown_seconds"]["median"] >= 0
         assert summary["saves"]["median"] == 2
         assert summary["bytes_on_disk"]["median"] >= results["state_bytes"], name
         (run,) = entry["runs"]
@@ -75,6 +76,7 @@ def test_bench_async_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str
     ratios = results["ratios"]
     assert ratios["stall_steady_vs_torch_io"]["torch_io"] == pytest.approx(1.0)
     assert ratios["sharded_async_vs_dcp_async"]["durable_steady"] > 0
+    assert ratios["sharded_async_vs_dcp_sync"]["durable_steady_plus_teardown"] > 0
 
     # The table went to stdout, the JSON only to the file; every checkpoint written was removed.
     out = capsys.readouterr().out
