@@ -55,7 +55,7 @@ from lightning_ckpt import manifest as fmt
 from lightning_ckpt.compile import install_load_hook, strip_compiled_prefixes
 from lightning_ckpt.memory import EMPTY_CUDA_CACHE_MODES, EmptyCudaCache, MemoryStats, memory_stats, release_memory
 from lightning_ckpt.monitor import SaveMonitor, SaveRecord, print_summary, save_line
-from lightning_ckpt.remote import RemoteOptions, is_remote
+from lightning_ckpt.remote import RemoteOptions, is_remote, url_key
 from lightning_ckpt.remote import listing as remote_listing
 from lightning_ckpt.strategies import is_lightning_ckpt, save_sharded, sharded_io
 from lightning_ckpt.writer import TempDir, commit
@@ -395,6 +395,21 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             self._pending = None
             if self.last_model_path and self._skipped_at is None:  # saved or linked: it exists now
                 self._known.add(os.path.normpath(self.last_model_path))
+
+    @override
+    def _should_remove_checkpoint(self, trainer: pl.Trainer, previous: str, current: str) -> bool:
+        if not is_remote(previous):
+            return super()._should_remove_checkpoint(trainer, previous, current)
+        # Lightning 2.6 answers True for any remote `previous` (Lightning issue #21813): a run
+        # resuming into a new dirpath deleted the previous run's checkpoints, the one it resumed
+        # from included. The two guards it applies to local paths, on URLs: never the checkpoint
+        # the trainer resumed from, never one outside this callback's dirpath.
+        key = url_key(previous)
+        if previous == current or key == url_key(current):
+            return False
+        if trainer.ckpt_path is not None and is_remote(trainer.ckpt_path) and key == url_key(trainer.ckpt_path):
+            return False
+        return self.dirpath is not None and is_remote(self.dirpath) and key.startswith(url_key(self.dirpath) + "/")
 
     @override
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:

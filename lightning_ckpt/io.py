@@ -360,6 +360,8 @@ class ShardedCheckpointIO(CheckpointIO):
         self._action_errors: list[Exception] = []
         self._copy_waits: OrderedDict[str, staging.Copies] = OrderedDict()  # path -> its latest save's copies
         self._refuse_next_removal = False
+        # Remote checkpoints this process loaded (resumed from), never removed by it (url_key).
+        self._loaded_remote: set[str] = set()
         self._staged: tuple[tuple[Any, ...], dict[str, tuple[int, int]]] | None = None
         self.skipped_saves = 0
         self._unpolled: deque[WriteResult] = deque(maxlen=1024)
@@ -727,8 +729,18 @@ class ShardedCheckpointIO(CheckpointIO):
                 self._worker.wait()
         if remote.is_remote(path):
             self._uploader.wait()
+            self.keep_loaded(path)
             return _load_remote(os.fspath(path), self.remote, map_location, weights_only, self.verify_on_load == "full")
         return load_checkpoint(path, map_location, weights_only, verify=self.verify_on_load == "full")
+
+    def keep_loaded(self, url: Any) -> None:
+        """Never remove the remote checkpoint ``url`` from this process: it was loaded (resumed
+        from). Lightning 2.6's ``ModelCheckpoint`` keeps a local checkpoint the run resumed from,
+        or one outside its ``dirpath``, but asks to remove any remote one (Lightning issue
+        #21813): a run resuming into a new ``dirpath`` would delete the checkpoint it resumed
+        from. ``ShardedModelCheckpoint`` applies both guards to URLs as well. The module function
+        :func:`remove_checkpoint` still removes it when asked directly."""
+        self._loaded_remote.add(remote.url_key(url))
 
     @override
     def remove_checkpoint(self, path: Any) -> None:
@@ -738,6 +750,15 @@ class ShardedCheckpointIO(CheckpointIO):
         removed once the one replacing it is committed.
         """
         path = _location(path)
+        if remote.is_remote(path) and remote.url_key(path) in self._loaded_remote:
+            warnings.warn(
+                f"Kept {path!r}: this run loaded (resumed from) it, and a callback asked to remove it. Lightning's"
+                " `ModelCheckpoint` removes remote checkpoints it tracked from the run it resumed (Lightning issue"
+                " #21813); `ShardedModelCheckpoint` keeps those outside its `dirpath`. To remove it anyway:"
+                f" `lightning_ckpt.remove_checkpoint({path!r})`.",
+                stacklevel=2,
+            )
+            return
         with self._lock:
             self._then(lambda: self._remove(path))  # after the save replacing it is handed off
 

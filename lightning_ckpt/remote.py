@@ -82,6 +82,13 @@ def is_remote(path: Any) -> bool:
     return text is not None and "://" in text and fsspec.utils.get_protocol(text) not in _LOCAL_PROTOCOLS
 
 
+def url_key(url: Any) -> str:
+    """``url`` in one spelling for comparisons: the protocol lowercased, empty and ``.`` path
+    segments and trailing slashes dropped (``s3://b//run/./a.ckpt/`` -> ``s3://b/run/a.ckpt``)."""
+    protocol, _, rest = os.fspath(url).partition("://")
+    return f"{protocol.lower()}://" + "/".join(p for p in rest.split("/") if p not in ("", "."))
+
+
 @dataclass(frozen=True)
 class RemoteOptions:
     """How remote checkpoints are written and read (picklable: the writer process gets a copy).

@@ -149,8 +149,17 @@ def test_io_sync_save_load_remove(memory_fs):
     url = "memory://bucket/run/x.ckpt"
     io.save_checkpoint(_state(5), url)
     assert io.last_save.path == url
+    other = "memory://bucket/run/y.ckpt"
+    io.save_checkpoint(_state(6), other)
+    io.remove_checkpoint(other)
+    assert memory_fs.find("/bucket/run/y.ckpt") == []
     assert _equal(io.load_checkpoint(url), _state(5))
-    io.remove_checkpoint(url)
+    # A remote checkpoint this process loaded (resumed from) is never removed by the plugin: a
+    # callback asking for it is refused with the way to remove it anyway.
+    with pytest.warns(UserWarning, match=r"lightning_ckpt.remove_checkpoint\('memory://bucket/run//x.ckpt/'\)"):
+        io.remove_checkpoint("memory://bucket/run//x.ckpt/")
+    assert _equal(load_checkpoint(url), _state(5))
+    remove_checkpoint(url)
     assert memory_fs.find("/bucket/run/x.ckpt") == []
     io.teardown()
 
