@@ -15,7 +15,6 @@ is ``ModelParallelStrategy`` with the same arguments, whose ``save_checkpoint`` 
 import os
 from typing import Any, Optional
 
-import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
@@ -23,6 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_ckpt import manifest as fmt
+from lightning_ckpt.errors import CheckpointError
 from lightning_ckpt.remote import is_remote
 
 
@@ -98,8 +98,59 @@ class _ShardedResume(Strategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        from lightning_ckpt.io import ShardedCheckpointIO
+
+        if isinstance(self.checkpoint_io, ShardedCheckpointIO) and is_remote(checkpoint_path):
+            return self._load_ours(self._local_copy(self.checkpoint_io, os.fspath(checkpoint_path)), weights_only)
         if not is_lightning_ckpt(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only)
+        return self._load_ours(checkpoint_path, weights_only)
+
+    def _local_copy(self, io: Any, url: str) -> str:
+        """The local tier's copy of the checkpoint at ``url``: local rank 0 of each node brings it
+        there (or finds it current), every rank then reads its shards from it.
+
+        A collective (an all-reduce of each rank's success, so a failed download raises on every
+        rank instead of leaving the others waiting); every rank calls it, as Lightning calls
+        ``load_checkpoint``.
+        """
+        from lightning_ckpt import remote
+
+        options = io.remote
+        if options.local_dir is None:  # the same answer on every rank: nothing collective has started
+            raise ValueError(
+                f"Resuming {type(self).__name__} from {url} needs `ShardedCheckpointIO(local_dir=...)` on a folder the"
+                " ranks of each node share: one rank per node downloads the checkpoint there and every rank reads"
+                " its shards from it. HINT: set `local_dir` (the same one the saves use), or download first with"
+                " `python -m lightning_ckpt convert URL ./local.ckpt` and resume from the local copy."
+            )
+        if io.async_save:
+            io.wait()  # never read a checkpoint this run is still writing
+        io.keep_loaded(url)
+        error: Optional[BaseException] = None
+        if self.local_rank == 0:
+            try:
+                remote.local_copy_for_load(url, options)
+            except Exception as err:  # raised below, after every rank knows
+                error = err
+        everyone_ok = self.reduce_boolean_decision(error is None, all=True)
+        if error is not None:
+            raise error
+        if not everyone_ok:
+            raise CheckpointError(
+                f"Resuming from {url}: another node's local rank 0 could not bring the checkpoint into its local tier;"
+                " its error is in that rank's output."
+            )
+        local = options.local_path(url)
+        if not is_lightning_ckpt(local):
+            raise CheckpointError(
+                f"Resuming from {url}: rank {self.global_rank} does not see the copy its node's local rank 0 brought"
+                f" into `local_dir` ({local}). HINT: `local_dir` must be a folder every rank of a node shares"
+                " (the same path on the same filesystem)."
+            )
+        return local
+
+    def _load_ours(self, checkpoint_path: _PATH, weights_only: Optional[bool]) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,

@@ -8,6 +8,11 @@ epoch-0 checkpoint to 2 epochs. Reports whether the resumed run ended bit-identi
 ``sharded_fit.py REPORT reshard N CKPT FULL``: on N ranks, resumes from ``CKPT`` and compares the
 full state right after the restore with ``FULL`` (the state gathered when CKPT was saved).
 
+``sharded_fit.py REPORT s3 N URL``: as ``fit``, saving to the S3 URL through a local tier
+every rank shares, then resumes from the URL's epoch-0 checkpoint with a fresh local tier (local
+rank 0 downloads it, every rank reads its shards); reports whether the resumed run ended
+bit-identical and what the fresh tier holds.
+
 ``sharded_fit.py REPORT ddp 2 SPREAD``: DDP on 2 ranks, top-2 + last every 2 steps through
 ``ShardedModelCheckpoint``, ``spread_writes=SPREAD``; reports the files kept and the bytes each rank
 wrote, then resumes from ``last`` and reports whether the run matches an uninterrupted one.
@@ -98,12 +103,12 @@ class CaptureRestored(Callback):
         trainer.should_stop = True
 
 
-def trainer(devices: int, callbacks: list, max_epochs: int) -> Trainer:
+def trainer(devices: int, callbacks: list, max_epochs: int, local_dir: str | None = None) -> Trainer:
     return Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=lc.ShardedModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1),
-        plugins=[lc.ShardedCheckpointIO(async_save=ASYNC)],
+        plugins=[lc.ShardedCheckpointIO(async_save=ASYNC, local_dir=local_dir)],
         callbacks=callbacks,
         max_epochs=max_epochs,
         logger=False,
@@ -143,6 +148,38 @@ def fit(report: str, devices: int) -> None:
                     "checkpoints": sorted(os.listdir(ckpts)),
                     "resumed_equals_uninterrupted": states_equal(final, after),
                     "global_step": resumed.global_step,
+                },
+                f,
+            )
+
+
+def s3(report: str, devices: int, url: str) -> None:
+    folder = os.path.dirname(report)
+    seed_everything(0)
+    checkpoint = lc.ShardedModelCheckpoint(dirpath=url, save_top_k=-1, every_n_epochs=1, save_last=True)
+    first = trainer(devices, [checkpoint], 2, local_dir=os.path.join(folder, "save-tier"))
+    first.fit(ShardedNet())
+    first.strategy.checkpoint_io.teardown()  # every upload finished
+    final = full_state(first, first.lightning_module)
+    fresh_tier = os.path.join(folder, "resume-tier")
+    seed_everything(0)
+    resumed = trainer(devices, [], 2, local_dir=fresh_tier)
+    resumed.fit(ShardedNet(), ckpt_path=f"{url}/epoch=0-step=4.ckpt")
+    after = full_state(resumed, resumed.lightning_module)
+    if first.is_global_zero:
+        import fsspec
+
+        downloaded = [os.path.relpath(root, fresh_tier) for root, _, files in os.walk(fresh_tier) if "manifest.json" in files]
+        fs, root = fsspec.core.url_to_fs(url)
+        fs.invalidate_cache()
+        with open(report, "w") as f:
+            json.dump(
+                {
+                    "world_size": resumed.world_size,
+                    "resumed_equals_uninterrupted": states_equal(final, after),
+                    "global_step": resumed.global_step,
+                    "downloaded": downloaded,
+                    "remote_after_resume": sorted(p.rsplit("/", 1)[1] for p in fs.ls(root, detail=False)),
                 },
                 f,
             )
@@ -226,5 +263,7 @@ if __name__ == "__main__":
         fit(report, devices)
     elif mode == "ddp":
         ddp(report, sys.argv[4] == "True")
+    elif mode == "s3":
+        s3(report, devices, sys.argv[4])
     else:
         reshard(report, devices, sys.argv[4], sys.argv[5])
