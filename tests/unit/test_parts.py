@@ -129,3 +129,12 @@ def test_resuming_our_checkpoint_with_the_stock_model_parallel_strategy_names_th
     unrelated = ValueError(f"The path {str(tmp_path)!r} does not point to a valid checkpoint.")
     _explain_sharded_resume_error(unrelated)
     assert "ShardedModelParallelStrategy" not in str(unrelated)
+
+
+def test_sharded_resume_from_a_url_without_local_dir_names_the_fix():
+    import lightning_ckpt as lc
+
+    strategy = lc.ShardedModelParallelStrategy()
+    io = lc.ShardedCheckpointIO()
+    with pytest.raises(ValueError, match=r"needs `ShardedCheckpointIO\(local_dir=\.\.\.\)`.*convert URL \./local\.ckpt"):
+        strategy._local_copy(io, "s3://bucket/run/last.ckpt")
