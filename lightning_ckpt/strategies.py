@@ -107,46 +107,45 @@ class _ShardedResume(Strategy):
         return self._load_ours(checkpoint_path, weights_only)
 
     def _local_copy(self, io: Any, url: str) -> str:
-        """The local tier's copy of the checkpoint at ``url``: local rank 0 of each node brings it
-        there (or finds it current), every rank then reads its shards from it.
+        """The local tier's copy of the checkpoint at ``url``: rank 0 brings it there (or finds it
+        current), every rank then reads its shards from that one folder.
 
-        A collective (an all-reduce of each rank's success, so a failed download raises on every
-        rank instead of leaving the others waiting); every rank calls it, as Lightning calls
-        ``load_checkpoint``.
+        The tier must be a folder every rank shares, as for sharded saves to a URL: one download,
+        and every rank provably reads the same checkpoint (a copy per node could differ: a node's
+        tier may hold a newer save whose upload never finished). A collective (an all-reduce of
+        success, so a failed download raises on every rank instead of leaving the others
+        waiting); every rank calls it, as Lightning calls ``load_checkpoint``.
         """
         from lightning_ckpt import remote
 
         options = io.remote
         if options.local_dir is None:  # the same answer on every rank: nothing collective has started
             raise ValueError(
-                f"Resuming {type(self).__name__} from {url} needs `ShardedCheckpointIO(local_dir=...)` on a folder the"
-                " ranks of each node share: one rank per node downloads the checkpoint there and every rank reads"
-                " its shards from it. HINT: set `local_dir` (the same one the saves use), or download first with"
+                f"Resuming {type(self).__name__} from {url} needs `ShardedCheckpointIO(local_dir=...)` on a folder every"
+                " rank shares (as saving to a URL does): rank 0 downloads the checkpoint there and every rank reads its"
+                " shards from it. HINT: set `local_dir` (the same one the saves use), or download first with"
                 " `python -m lightning_ckpt convert URL ./local.ckpt` and resume from the local copy."
             )
         if io.async_save:
             io.wait()  # never read a checkpoint this run is still writing
         io.keep_loaded(url)
         error: Optional[BaseException] = None
-        if self.local_rank == 0:
+        if self.global_rank == 0:
             try:
                 remote.local_copy_for_load(url, options)
             except Exception as err:  # raised below, after every rank knows
                 error = err
-        everyone_ok = self.reduce_boolean_decision(error is None, all=True)
+        rank0_ok = self.reduce_boolean_decision(error is None, all=True)
         if error is not None:
             raise error
-        if not everyone_ok:
-            raise CheckpointError(
-                f"Resuming from {url}: another node's local rank 0 could not bring the checkpoint into its local tier;"
-                " its error is in that rank's output."
-            )
+        if not rank0_ok:
+            raise CheckpointError(f"Resuming from {url}: rank 0 could not bring the checkpoint into `local_dir`; its error is in rank 0's output.")
         local = options.local_path(url)
-        if not is_lightning_ckpt(local):
+        if not self.reduce_boolean_decision(is_lightning_ckpt(local), all=True):
             raise CheckpointError(
-                f"Resuming from {url}: rank {self.global_rank} does not see the copy its node's local rank 0 brought"
-                f" into `local_dir` ({local}). HINT: `local_dir` must be a folder every rank of a node shares"
-                " (the same path on the same filesystem)."
+                f"Resuming from {url}: not every rank sees the copy rank 0 brought into `local_dir` ({local})."
+                " HINT: `local_dir` must be a folder every rank shares (the same path on a shared filesystem), as"
+                " for saving to a URL from several ranks."
             )
         return local
 

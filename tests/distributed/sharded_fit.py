@@ -9,8 +9,8 @@ epoch-0 checkpoint to 2 epochs. Reports whether the resumed run ended bit-identi
 full state right after the restore with ``FULL`` (the state gathered when CKPT was saved).
 
 ``sharded_fit.py REPORT s3 N URL``: as ``fit``, saving to the S3 URL through a local tier
-every rank shares, then resumes from the URL's epoch-0 checkpoint with a fresh local tier (local
-rank 0 downloads it, every rank reads its shards); reports whether the resumed run ended
+every rank shares, then resumes from the URL's epoch-0 checkpoint with a fresh local tier (rank 0
+downloads it, every rank reads its shards); reports whether the resumed run ended
 bit-identical and what the fresh tier holds.
 
 ``sharded_fit.py REPORT ddp 2 SPREAD``: DDP on 2 ranks, top-2 + last every 2 steps through

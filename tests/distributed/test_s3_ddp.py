@@ -36,7 +36,7 @@ def test_fsdp2_saves_to_s3_through_a_shared_tier_and_resumes_from_the_url(tmp_pa
         server.stop()
     assert result["world_size"] == 2 and result["global_step"] == 8
     assert result["resumed_equals_uninterrupted"]
-    # The fresh tier held nothing: local rank 0 downloaded the checkpoint, both ranks read it.
+    # The fresh tier held nothing: rank 0 downloaded the checkpoint, both ranks read it.
     assert result["downloaded"] == ["s3/fsdp/run/epoch=0-step=4.ckpt"]
     # The resumed run's own (stock, local) checkpoint callback did not remove what it resumed from.
     assert result["remote_after_resume"] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
