@@ -126,8 +126,7 @@ class _ShardedResume(Strategy):
                 " shards from it. HINT: set `local_dir` (the same one the saves use), or download first with"
                 " `python -m lightning_ckpt convert URL ./local.ckpt` and resume from the local copy."
             )
-        if io.async_save:
-            io.wait()  # never read a checkpoint this run is still writing
+        io.wait()  # never read a checkpoint this run is still writing or uploading
         io.keep_loaded(url)
         error: Optional[BaseException] = None
         if self.global_rank == 0:
