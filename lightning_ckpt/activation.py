@@ -137,13 +137,11 @@ def _every_other_matmul_policy() -> Callable[..., CheckpointPolicy]:
     counts = {False: 0, True: 0}
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if op not in _selective_save_ops():
-            return CheckpointPolicy.PREFER_RECOMPUTE
         if op in _matmul_ops():
             counts[ctx.is_recompute] += 1
             if counts[ctx.is_recompute] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE
+        return _selective_policy(ctx, op)
 
     return policy
 

@@ -405,7 +405,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         # from included. The two guards it applies to local paths, on URLs: never the checkpoint
         # the trainer resumed from, never one outside this callback's dirpath.
         key = url_key(previous)
-        if previous == current or key == url_key(current):
+        if key == url_key(current):
             return False
         if trainer.ckpt_path is not None and is_remote(trainer.ckpt_path) and key == url_key(trainer.ckpt_path):
             return False
