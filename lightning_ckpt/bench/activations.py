@@ -14,7 +14,7 @@ through :func:`lightning_ckpt.apply_activation_checkpointing`.
 Memory and time are measured in different processes, because the allocator setting that makes
 RSS follow torch's CPU allocations also slows every allocation down:
 
-* **peak activation memory**: each (configuration, repeat) runs in a fresh ``spawn`` process
+* **peak activation memory**: each (configuration, repeat) runs in a freshly ``spawn``-ed interpreter
   (``measure.run_in_fresh_process``) that builds the model and optimizer, runs 2 untimed steps
   (AdamW state and gradients allocated), then measures one forward + backward (gradients already
   allocated, so they do not count): on CPU, the process's peak RSS (``VmHWM``, reset through
@@ -223,25 +223,18 @@ def bench(args: argparse.Namespace, device: str, log: Any) -> dict[str, Any]:
     }
     memory: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGS}
     errors: dict[str, str] = {}
-    previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc in each fresh child (see the docstring)
-    try:
-        for repeat in range(args.repeats):
-            for name, options in CONFIGS.items():
-                task = {**settings, "kind": f"activations-memory-{name.replace(' ', '-')}", "options": options}
-                try:
-                    result = run_in_fresh_process(task, _measure_memory)
-                except RuntimeError as err:
-                    errors[name] = str(err)
-                    log(f"[red]{device} {name}: {err}")
-                    continue
-                memory[name].append(result)
-                log(f"{device} {name} (repeat {repeat + 1}/{args.repeats}): peak activations {result['peak_activation_bytes'] / MB:.0f} MB")
-    finally:
-        if previous is None:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
+    for repeat in range(args.repeats):
+        for name, options in CONFIGS.items():
+            task = {**settings, "kind": f"activations-memory-{name.replace(' ', '-')}", "options": options}
+            try:
+                # read by glibc when the process starts (see the docstring)
+                result = run_in_fresh_process(task, _measure_memory, env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+            except RuntimeError as err:
+                errors[name] = str(err)
+                log(f"[red]{device} {name}: {err}")
+                continue
+            memory[name].append(result)
+            log(f"{device} {name} (repeat {repeat + 1}/{args.repeats}): peak activations {result['peak_activation_bytes'] / MB:.0f} MB")
     timing_configs = {name: options for name, options in CONFIGS.items() if name not in errors}
     task = {**settings, "kind": "activations-time", "configs": timing_configs, "repeats": args.repeats}
     try:

@@ -3,7 +3,7 @@ while it is written in the background.
 
 ``python -m lightning_ckpt bench --mode async [...]``.
 
-Each contender runs in a fresh ``spawn`` process (see ``measure.run_in_fresh_process``) that builds
+Each contender runs in a fresh process (``measure.run_in_fresh_process``) that builds
 the state of ``workloads.build_checkpoint`` (1/3 fp32 weights, 2/3 AdamW ``exp_avg``/``exp_avg_sq``)
 and runs a simulated training loop on it. Every step does
 

@@ -39,7 +39,7 @@ save seconds (a synchronous save: spooled to local disk, then uploaded) and load
 the saved state, and the compressed checkpoint's load with the uncompressed one's. moto is a
 single Python process on the same cores, so these seconds say more about moto than about S3.
 
-Everything runs in one fresh ``spawn`` process (the server beside it); medians over ``--repeats``.
+Everything runs in one fresh process (``measure.run_in_fresh_process``; the server beside it); medians over ``--repeats``.
 """
 
 from __future__ import annotations
@@ -467,7 +467,8 @@ def missing_packages(end_to_end: bool) -> list[str]:
 
 def bench(task: Task, end_to_end: bool, log: Callable[[str], None]) -> Metrics:
     """The measurement process of ``task`` (with the S3 server around it when ``end_to_end``)."""
-    from lightning_ckpt.bench.s3 import environment, s3_environment, s3_server
+    from lightning_ckpt.bench.measure import environment
+    from lightning_ckpt.bench.s3 import s3_environment, s3_server
 
     if not end_to_end:
         return run_in_fresh_process(task, _run)

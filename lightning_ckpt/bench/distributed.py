@@ -2,8 +2,8 @@
 
 ``python -m lightning_ckpt bench --mode distributed [...]``.
 
-Every measurement runs in a fresh group of rank processes (``forkserver``: the server imports torch,
-Lightning and this package once, every rank is a fresh process forked from it), joined by a gloo
+Every measurement runs in a fresh group of rank processes (``measure.fresh_process_context``: the server
+imports torch, Lightning and this package once, every rank is a fresh process forked from it), joined by a gloo
 process group; no Lightning ``Trainer`` runs, but each rank saves exactly the dict Lightning builds.
 Per repeat, in this order (contenders rotated from one repeat to the next):
 
@@ -74,7 +74,6 @@ import contextlib
 import gc
 import math
 import mmap
-import multiprocessing
 import os
 import re
 import resource
@@ -102,7 +101,18 @@ from lightning_ckpt.bench.files import (
     run_directory,
     write_and_fsync,
 )
-from lightning_ckpt.bench.measure import GB, MB, Metrics, RssSampler, Task, m, proc_status, ratio, summarize
+from lightning_ckpt.bench.measure import (
+    GB,
+    MB,
+    Metrics,
+    RssSampler,
+    Task,
+    fresh_process_context,
+    m,
+    proc_status,
+    ratio,
+    summarize,
+)
 from lightning_ckpt.bench.report import (
     add_json_argument,
     emit_report,
@@ -146,14 +156,6 @@ _RESHARDED = ("dcp_stock", "sharded_sync")  # the checkpoints loaded again on ot
 _LAYERS = 8
 _BATCH = 8
 _ERROR_GRACE_S = 10.0  # after one rank failed, how long the others get to report before they are killed
-_PRELOAD = [  # imported once by the forkserver, so each rank process starts in a fraction of a second
-    "lightning_ckpt.bench_distributed",
-    "lightning_ckpt.io",
-    "lightning_ckpt.distributed",
-    "torch.distributed.checkpoint",
-    "torch.distributed.fsdp",
-    "lightning.fabric.strategies.model_parallel",
-]
 _TITLES = {
     "dcp_stock": "stock (DCP + meta.pt)",
     "sharded_sync": "ours, sync",
@@ -530,19 +532,13 @@ def _rank_main(task: Task, rank: int, world_size: int, conn: Connection) -> None
 # Parent side
 
 
-def _context() -> Any:
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_PRELOAD)
-    return context
-
-
 def run_group(task: Task, world_size: int, timeout: float) -> list[Metrics]:
     """Run ``task`` on ``world_size`` fresh rank processes; their results in rank order.
 
     Raises ``RuntimeError`` with the first rank's error (the other ranks, stuck in a collective, are
     killed after a grace period) or when the group outlives ``timeout`` seconds.
     """
-    context = _context()
+    context = fresh_process_context()
     store = os.path.join(task["run_dir"], f".store-{secrets.token_hex(4)}")
     task = {**task, "store": store, "threads": max(1, (os.cpu_count() or 1) // world_size)}
     processes, receivers = [], {}

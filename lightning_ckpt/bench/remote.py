@@ -45,8 +45,8 @@ objects than ``upload_concurrency`` (two at the default ``max_shard_size`` and `
 model file and the optimizer file) the documented budget cannot fill, and the peak per stream is
 what says whether it holds (``--max-shard-size`` makes more objects). Page cache is not counted.
 
-All contenders of one repeat run in one fresh ``spawn`` process on one state (importing torch
-and Lightning takes seconds per process here), each measured from its own baseline, with
+All contenders of one repeat run in one freshly ``spawn``-ed interpreter on one state (so that
+glibc reads the setting below at its start), each measured from its own baseline, with
 ``gc.collect()`` and ``malloc_trim(0)`` between them and ``MALLOC_MMAP_THRESHOLD_=65536`` (so freed
 buffers go back to the system rather than lowering the next contender's peak); the order rotates
 with each repeat so no contender always runs first. Objects are deleted after each contender (moto
@@ -73,6 +73,7 @@ from lightning_ckpt.bench.measure import (
     Metrics,
     RssSampler,
     Task,
+    environment,
     m,
     measure,
     proc_status,
@@ -81,7 +82,7 @@ from lightning_ckpt.bench.measure import (
     summarize,
 )
 from lightning_ckpt.bench.report import add_json_argument, emit_report, fmt, machine_info, report_header, stderr_logger
-from lightning_ckpt.bench.s3 import environment, s3_environment, s3_server
+from lightning_ckpt.bench.s3 import s3_environment, s3_server
 from lightning_ckpt.bench.workloads import build_checkpoint, mismatches, state_bytes
 
 CONTENDERS = ("torch_io", "sharded_sync", "sharded_async", "sharded_local_tier", "local_disk", "s3fs_put")
@@ -98,6 +99,8 @@ DEFAULT_SIZE = "512MB"
 DEFAULT_PART_SIZE = "64MiB"  # ShardedCheckpointIO's default upload_part_size
 BUCKET = "lightning-ckpt-bench"
 WARM_BYTES = 200_000  # the untimed first save of each contender
+# read by glibc when a process starts: freed buffers go back to the system (see the docstring)
+_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 # Targets of the remote-checkpoint issue; reported, never asserted.
 TARGET_LOCAL_TIER_STALL = 1.2  # local-tier stall / local-disk stall, at most
 TARGET_UPLOAD_VS_PUT = 0.8  # our upload throughput / s3fs put throughput, at least
@@ -377,7 +380,7 @@ def bench(
             "max_shard_size": max_shard_size,
         }
         try:
-            out = run_in_fresh_process(task, _run_repeat)
+            out = run_in_fresh_process(task, _run_repeat, env=_MALLOC_ENV)
         except RuntimeError as err:
             errors.append(f"repeat {r + 1}: {err}")
             log(f"repeat {r + 1} FAILED: {str(err).splitlines()[0]}")
@@ -570,8 +573,7 @@ def main(argv: list[str] | None = None) -> int:
 
             s3fs.S3FileSystem(skip_instance_cache=True).mkdir(BUCKET)
             log(f"S3 server at {endpoint}, bucket {BUCKET!r}")
-            with environment({"MALLOC_MMAP_THRESHOLD_": "65536"}):  # read by glibc in each fresh child
-                result = bench(size_bytes, args.repeats, run_dir, part_size, args.concurrency, args.max_shard_size, log)
+            result = bench(size_bytes, args.repeats, run_dir, part_size, args.concurrency, args.max_shard_size, log)
     from lightning_ckpt.bench.report import version
     from lightning_ckpt.io import DEFAULT_MAX_SHARD_SIZE
 

@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 
 SERVER_START_TIMEOUT_S = 60.0
 
@@ -21,22 +21,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
-def environment(values: Mapping[str, str]) -> Iterator[None]:
-    """``os.environ`` updated with ``values`` inside the block (children started there inherit
-    it), restored afterwards."""
-    previous = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in previous.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def s3_environment(endpoint: str) -> dict[str, str]:

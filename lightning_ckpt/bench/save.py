@@ -1,6 +1,6 @@
 """Benchmark: ShardedCheckpointIO against Lightning's TorchCheckpointIO and a plain sequential write.
 
-Each measurement runs in a fresh ``spawn`` subprocess, so RSS figures start clean: the child builds
+Each measurement runs in a fresh subprocess (``measure.run_in_fresh_process``), so RSS figures start clean: the child builds
 a model + AdamW checkpoint dict, records its baseline RSS, then times the operation while a thread
 samples ``VmRSS`` and ``RssAnon`` every 20 ms (and the exact VmHWM peak). Contenders, per state size:
 

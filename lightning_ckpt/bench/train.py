@@ -2,7 +2,7 @@
 
 ``python -m lightning_ckpt bench --mode train --device cuda|cpu [...]``.
 
-Each (contender, repeat) runs in a fresh ``spawn`` process (``measure.run_in_fresh_process``) that
+Each (contender, repeat) runs in a fresh process (``measure.run_in_fresh_process``) that
 trains a decoder-only transformer built in plain torch (``workloads.Decoder``: embedding, pre-norm
 blocks of causal attention + 4x MLP with RMSNorm, an LM head tied or not) with AdamW (``fused``
 on CUDA) on synthetic token batches made on the device; on CUDA the forward runs under bf16
