@@ -29,7 +29,8 @@ until the contender reports it durable. ``--schedule``:
 
 Per save: the save call's duration; its *stall* (the duration of the step holding the save call
 minus the baseline median step); the time from the save call until the bytes are durable (the
-contender's own completion signal); the steps that started while it was being written; RSS,
+contender's own completion signal); the steps that started while it was being written, and the
+training time they lost (*lost while writing*: their sum minus as many baseline median steps); RSS,
 RssAnon, RssShmem, /dev/shm and system ``Shmem`` right after the call. Steady state = saves 2..N.
 Contenders:
 
@@ -47,6 +48,11 @@ Contenders:
   ``WriteResult.seconds`` (save call -> committed and durable, as the writer process reports it),
   from ``io.last_save`` and ``io.poll()`` between steps (never blocking).
 * ``sharded_sync``: ``ShardedCheckpointIO()`` (durable when the call returns).
+* ``disk_floor``: the floor for the cost of writing in the background: a helper process writes as
+  many bytes as the state holds, sequentially from one reused buffer (``O_DIRECT`` where the
+  filesystem takes it) and fsyncs, copying, serialising and hashing nothing and reading no training
+  memory (``contenders.PlainWrite``). The steps lost while it writes are what writing those bytes
+  to this disk costs the loop on this host, whatever the writer.
 * ``plain_copy``: the floor for a stall: one ``copy_`` of the whole state into already-allocated,
   pre-faulted buffers (median of 3 copies).
 
@@ -115,10 +121,10 @@ from lightning_ckpt.bench.workloads import (
     state_tensors,
 )
 
-CONTENDERS = ("torch_io", "async_io", "dcp_async", "dcp_sync", "sharded_async", "sharded_sync")
+CONTENDERS = ("torch_io", "async_io", "dcp_async", "dcp_sync", "sharded_async", "sharded_sync", "disk_floor")
 REFERENCE = "plain_copy"
 ALL = (*CONTENDERS, REFERENCE)
-ASYNC_CONTENDERS = ("async_io", "dcp_async", "sharded_async")
+ASYNC_CONTENDERS = ("async_io", "dcp_async", "sharded_async", "disk_floor")
 SCHEDULES = ("after-durable", "fixed")
 DEFAULT_SIZE = "3GB"
 MATMUL_SIZE_CUDA = 4096
@@ -131,6 +137,7 @@ _CONTENDER_TITLES = {
     "dcp_sync": "dcp_sync (DCP save)",
     "sharded_async": "sharded_async",
     "sharded_sync": "sharded_sync",
+    "disk_floor": "disk_floor (plain O_DIRECT write)",
 }
 
 
@@ -334,6 +341,8 @@ def _loop_metrics(
                 "durable_seconds": s["durable_at"] - s["call_start"],
                 "previous_in_flight": s["previous_in_flight"],
                 "steps_while_writing": len(per_save_writing[i]),
+                # training time the write cost: the steps while writing, over the baseline median
+                "excess_while_writing_seconds": sum(d - base_median for d in per_save_writing[i]),
                 "step_while_writing_median_seconds": median(per_save_writing[i]),
                 "rss_mb": memory["rss"] / MB,
                 "rss_delta_mb": delta_mb(memory["rss"], before["rss"]),
@@ -376,6 +385,7 @@ def _loop_metrics(
         "durable_steady_median_seconds": median(pick(steady, "durable_seconds")),
         "durable_median_seconds": median(pick(records, "durable_seconds")),
         "steps_while_writing": len(writing),
+        "excess_while_writing_steady_median_seconds": median(pick(steady, "excess_while_writing_seconds")),
         "step_while_writing_median_seconds": writing_median,
         "step_while_writing_p95_seconds": writing_p95,
         "step_while_writing_median_ratio": ratio(writing_median, base_median),
@@ -479,7 +489,7 @@ def render_table(report: dict[str, Any]) -> Any:
             "stall = step holding the save - baseline median step; stall+next = that step + the next one -"
             " 2 x baseline median; durable = save call -> bytes durable; teardown = the contender's teardown after the loop;"
             " writing = steps started while saves 2..N were being written, x baseline median / p95"
-            " (p95 x all: saves 1..N);"
+            " (p95 x all: saves 1..N); lost writing = those steps' time over as many baseline median steps;"
             " RSS flat = max-min post-save RSS over saves 2..N"
         ),
     )
@@ -494,6 +504,7 @@ def render_table(report: dict[str, Any]) -> Any:
         "teardown s",
         "writing med x",
         "p95 x",
+        "lost writing s",
         "p95 x all",
         "RSS flat MB",
         "RSS growth MB",
@@ -522,6 +533,7 @@ def render_table(report: dict[str, Any]) -> Any:
             fmt(m(summary, "teardown_seconds"), 3),
             fmt(m(summary, "step_while_writing_steady_median_ratio")),
             fmt(m(summary, "step_while_writing_steady_p95_ratio")),
+            fmt(m(summary, "excess_while_writing_steady_median_seconds"), 2),
             fmt(m(summary, "step_while_writing_p95_ratio")),
             fmt(m(summary, "rss_flat_range_mb"), 0),
             fmt(m(summary, "rss_growth_mb"), 0),
@@ -590,6 +602,19 @@ def _ratios(contenders: dict[str, Metrics], copy: Metrics | None) -> Metrics:
         "durable_steady_plus_teardown": ratio(
             _plus(m(ours, "durable_steady_median_seconds"), m(ours, "teardown_seconds")),
             _plus(m(dcp_sync, "durable_steady_median_seconds"), m(dcp_sync, "teardown_seconds")),
+        ),
+    }
+    floor = summary("disk_floor")
+    ratios["sharded_async_vs_disk_floor"] = {  # against the cheapest writer of the same bytes
+        "durable_steady": ratio(m(ours, "durable_steady_median_seconds"), m(floor, "durable_steady_median_seconds")),
+        "step_while_writing_steady_median": ratio(
+            m(ours, "step_while_writing_steady_median_ratio"), m(floor, "step_while_writing_steady_median_ratio")
+        ),
+        "step_while_writing_steady_p95": ratio(
+            m(ours, "step_while_writing_steady_p95_ratio"), m(floor, "step_while_writing_steady_p95_ratio")
+        ),
+        "lost_while_writing_steady": ratio(
+            m(ours, "excess_while_writing_steady_median_seconds"), m(floor, "excess_while_writing_steady_median_seconds")
         ),
     }
     copy_summary = copy["summary"] if copy else None
@@ -798,6 +823,7 @@ def main(argv: list[str] | None = None) -> int:
                 "dcp_sync": "dcp.save returned (FileSystemWriter fsyncs its files)",
                 "sharded_async": "start of save_checkpoint + WriteResult.seconds from io.last_save / io.poll() (save call -> committed + durable)",
                 "sharded_sync": "save_checkpoint returned",
+                "disk_floor": "its helper process's fsync of the plain O_DIRECT write returned",
             },
             "units": "GB = 1e9 bytes, MB = 1e6 bytes; *delta_mb / growth / peak figures are relative to the RSS"
             " after warm-up (state built and warm), just before the first save",

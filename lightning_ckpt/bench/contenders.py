@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import os
 import queue
+import subprocess
+import sys
+import threading
 import time
 from typing import Any
 
 import torch
 
 from lightning_ckpt.bench.files import fsync_file
+from lightning_ckpt.plan import iter_tensors
 
 class Contender:
     """One checkpointing method, seen by the training loop.
@@ -337,6 +341,62 @@ class Sharded(Contender):
         self.io.teardown()
 
 
+class PlainWrite(Contender):
+    """``disk_floor``: the cheapest way to write the checkpoint's bytes in the background. A helper
+    process (``_plain_writer.py``, standard library only, started with the contender) writes as many
+    bytes as the state's tensors hold, sequentially from one reused buffer (``O_DIRECT`` where the
+    filesystem takes it), then fsyncs. It copies, serialises and hashes nothing and reads no
+    training memory, so what the training loop loses while it writes is what writing those bytes
+    to this disk costs on this host, whatever the writer. Its save call only hands over the path;
+    durable when the fsync returned."""
+
+    asynchronous = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_plain_writer.py")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
+        self.errors: list[str] = []
+        self._reader = threading.Thread(target=self._read_replies, name="disk-floor-replies", daemon=True)
+        self._reader.start()
+
+    def _read_replies(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            kind, path, value = line.rstrip("\n").split("\t", 2)
+            if kind == "done":
+                self.done.put((path, float(value)))
+            else:
+                self.errors.append(f"{path}: {value}")
+
+    def save(self, checkpoint: dict[str, Any], path: str) -> None:
+        nbytes = sum(t.numel() * t.element_size() for t in iter_tensors(checkpoint))
+        assert self.proc.stdin is not None
+        self.in_flight.add(path)
+        self.proc.stdin.write(f"{path}\t{nbytes}\n")
+
+    def poll(self) -> list[tuple[str, float]]:
+        if self.errors:  # a failed write never reports durable: fail now
+            raise RuntimeError(f"disk_floor: the plain write failed: {self.errors[0]}")
+        return super().poll()
+
+    def helper_pids(self) -> list[int]:
+        return [self.proc.pid]
+
+    def teardown(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()  # the helper ends after the write in progress
+        try:
+            self.proc.wait(timeout=600)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self._reader.join(timeout=5)
+
+
 def make_contender(
     name: str, run_dir: str, max_write_rate: str | None = None, device: str = "cpu", dcp: dict[str, Any] | None = None
 ) -> Contender:
@@ -353,4 +413,6 @@ def make_contender(
         return Sharded(run_dir, asynchronous=True, max_write_rate=max_write_rate)
     if name == "sharded_sync":
         return Sharded(run_dir, asynchronous=False)
+    if name == "disk_floor":
+        return PlainWrite()
     raise ValueError(f"unknown contender {name!r}")

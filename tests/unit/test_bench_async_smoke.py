@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import assert_positive_medians
 
@@ -63,6 +65,10 @@ def test_bench_async_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str
             assert record["durable_seconds"] >= record["call_seconds"] - 1e-3, (name, record)  # two clocks readings
             assert math.isfinite(record["stall_seconds"]) and record["rss_mb"] > 0
         assert run["helpers_alive_after_teardown"] == []  # writer processes were torn down
+        excess = [r["excess_while_writing_seconds"] for r in run["per_save"]]
+        assert all(math.isfinite(e) for e in excess)
+        if name not in bench_async.ASYNC_CONTENDERS:
+            assert excess == [0, 0]  # no step runs while a synchronous save is written
         assert any(tag == "S1" for _, _, tag in run["step_trace"])
         if name in bench_async.ASYNC_CONTENDERS:
             assert summary["durable_first_seconds"]["median"] >= summary["call_first_seconds"]["median"]
@@ -77,11 +83,42 @@ def test_bench_async_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert ratios["stall_steady_vs_torch_io"]["torch_io"] == pytest.approx(1.0)
     assert ratios["sharded_async_vs_dcp_async"]["durable_steady"] > 0
     assert ratios["sharded_async_vs_dcp_sync"]["durable_steady_plus_teardown"] > 0
+    assert ratios["sharded_async_vs_disk_floor"]["durable_steady"] > 0
+    floor = results["contenders"]["disk_floor"]
+    assert floor["runs"][0]["helpers"]  # the plain writer ran in its own process
+    for record in floor["runs"][0]["per_save"]:
+        assert record["call_seconds"] < record["durable_seconds"]  # the call only hands the path over
 
     # The table went to stdout, the JSON only to the file; every checkpoint written was removed.
     out = capsys.readouterr().out
     assert "sharded_async" in out and "{" not in out
     assert not ckpt_dir.exists() or not any(ckpt_dir.rglob("*"))
+
+
+def test_disk_floor_reports_a_failed_write_and_stops_its_helper(tmp_path: Path) -> None:
+    from lightning_ckpt.bench.contenders import make_contender
+
+    contender = make_contender("disk_floor", str(tmp_path))
+    try:
+        contender.save({"w": torch.ones(1024)}, str(tmp_path / "missing-folder" / "x.ckpt"))
+        deadline = time.monotonic() + 30
+        with pytest.raises(RuntimeError, match=r"disk_floor: the plain write failed: .*missing-folder.*FileNotFoundError"):
+            while time.monotonic() < deadline:
+                contender.poll()
+                time.sleep(0.01)
+        assert contender.pending()  # never reported durable
+
+        good = tmp_path / "y.ckpt"
+        contender.errors.clear()
+        contender.save({"w": torch.ones(1024)}, str(good))
+        while not contender.poll():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert good.stat().st_size == 4096  # 4 KiB of tensor bytes, rounded up to 4 KiB
+    finally:
+        contender.teardown()
+    (pid,) = contender.helper_pids()
+    assert not os.path.exists(f"/proc/{pid}")
 
 
 def test_bench_mode_async_dispatches(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,53 @@
+"""The ``disk_floor`` contender's helper process (``contenders.PlainWrite``): the cheapest writer of
+a checkpoint's bytes. Run by path with ``python -I``; imports only the standard library, so it
+starts in milliseconds and takes no memory or CPU beyond the writing itself.
+
+Reads ``<path>\\t<nbytes>`` lines from stdin. For each, writes ``nbytes`` (rounded up to 4 KiB)
+sequentially into a new file from one reused 16 MiB buffer, with ``O_DIRECT`` where the filesystem
+accepts it, fsyncs the file, and answers ``done\\t<path>\\t<time.perf_counter()>`` (Linux: the
+system-wide monotonic clock, comparable across processes) or ``error\\t<path>\\t<message>``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+import time
+
+ALIGN = 4096  # O_DIRECT alignment of buffer address, offset and length
+CHUNK = 16 << 20
+
+
+def write(path: str, nbytes: int, buffer: memoryview) -> None:
+    total = -(-nbytes // ALIGN) * ALIGN
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    try:
+        fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644)
+    except OSError:  # a filesystem without O_DIRECT (tmpfs): buffered, still fsynced
+        fd = os.open(path, flags, 0o644)
+    try:
+        left = total
+        while left:
+            left -= os.write(fd, buffer[: min(left, len(buffer))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def main() -> None:
+    raw = mmap.mmap(-1, CHUNK)  # anonymous maps are page-aligned
+    raw.write(os.urandom(CHUNK))
+    buffer = memoryview(raw)
+    for line in sys.stdin:
+        path, nbytes = line.rstrip("\n").split("\t")
+        try:
+            write(path, int(nbytes), buffer)
+        except OSError as err:
+            print(f"error\t{path}\t{type(err).__name__}: {err}", flush=True)
+        else:
+            print(f"done\t{path}\t{time.perf_counter()!r}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
