@@ -6,7 +6,9 @@ imports the shared ones, never another mode, and nothing imports a mode but :fun
 
 * ``measure``: fresh measurement processes, timing, RSS / memory readings, medians, p95, ratios;
 * ``report``: machine description, report header, the ``--json`` convention, table formatting;
-* ``files``: the run folder, fsync, removal, page-cache dropping, plain writes;
+* ``files``: the run folder, fsync, removal, page-cache dropping;
+* ``_plain_writer``: plain sequential writes (standard library only, as it is also the
+  ``disk_floor`` helper process);
 * ``workloads``: the synthetic checkpoint dict, the simulated step, the decoder-only transformer,
   and the byte-for-byte comparison of a loaded checkpoint with the saved one;
 * ``s3``: the local S3-compatible server (moto, on 127.0.0.1) and the environment pointing at it;

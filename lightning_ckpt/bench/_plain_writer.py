@@ -10,6 +10,7 @@ system-wide monotonic clock, comparable across processes) or ``error\\t<path>\\t
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import sys
@@ -19,20 +20,30 @@ ALIGN = 4096  # O_DIRECT alignment of buffer address, offset and length
 CHUNK = 16 << 20
 
 
-def write(path: str, nbytes: int, buffer: memoryview) -> None:
-    total = -(-nbytes // ALIGN) * ALIGN
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+def write_and_fsync(path: str, flags: int, buffer: memoryview, nbytes: int) -> None:
+    """Write ``nbytes`` to a new file at ``path`` by repeating ``buffer``, then fsync it."""
+    fd = os.open(path, flags, 0o644)
     try:
-        fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644)
-    except OSError:  # a filesystem without O_DIRECT (tmpfs): buffered, still fsynced
-        fd = os.open(path, flags, 0o644)
-    try:
-        left = total
+        left = nbytes
         while left:
             left -= os.write(fd, buffer[: min(left, len(buffer))])
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write(path: str, nbytes: int, buffer: memoryview) -> None:
+    """``nbytes`` rounded up to ``ALIGN`` from the page-aligned ``buffer``: ``O_DIRECT`` where the
+    filesystem accepts it, else buffered; fsynced either way."""
+    total = -(-nbytes // ALIGN) * ALIGN
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    try:
+        write_and_fsync(path, flags | getattr(os, "O_DIRECT", 0), buffer, total)
+    except OSError as err:
+        if err.errno != errno.EINVAL:
+            raise
+        # no O_DIRECT on this filesystem; the refused open may have created the file already
+        write_and_fsync(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, buffer, total)
 
 
 def main() -> None:

@@ -90,6 +90,7 @@ from typing import Any
 
 import torch
 
+from lightning_ckpt.bench._plain_writer import write_and_fsync
 from lightning_ckpt.bench.files import (
     ALIGN,
     BUFFERED_CHUNK,
@@ -99,7 +100,6 @@ from lightning_ckpt.bench.files import (
     fsync_file,
     remove_path,
     run_directory,
-    write_and_fsync,
 )
 from lightning_ckpt.bench.measure import (
     GB,

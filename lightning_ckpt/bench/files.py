@@ -53,18 +53,6 @@ def remove_path(path: str) -> None:
         os.remove(path)
 
 
-def write_and_fsync(path: str, flags: int, buffer: memoryview, nbytes: int) -> None:
-    """Write ``nbytes`` to a new file at ``path`` by repeating ``buffer``, then fsync it."""
-    fd = os.open(path, flags, 0o644)
-    try:
-        left = nbytes
-        while left:
-            left -= os.write(fd, buffer[: min(left, len(buffer))])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @contextlib.contextmanager
 def run_directory(directory: str) -> Iterator[str]:
     """A fresh ``run-*`` folder under ``directory``; removed afterwards with every folder this made."""

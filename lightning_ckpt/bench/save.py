@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from lightning_ckpt.bench import add_mode_argument
+from lightning_ckpt.bench._plain_writer import write_and_fsync
 from lightning_ckpt.bench.files import (
     ALIGN,
     BUFFERED_CHUNK,
@@ -42,7 +43,6 @@ from lightning_ckpt.bench.files import (
     fsync_file,
     remove_path,
     run_directory,
-    write_and_fsync,
 )
 from lightning_ckpt.bench.measure import GB, Metrics, Task, m, measure, ratio, run_in_fresh_process, summarize
 from lightning_ckpt.bench.report import add_json_argument, emit_report, fmt, machine_info, report_header, stderr_logger
