@@ -93,6 +93,10 @@ def main(report: str) -> None:
     if plain_trainer.global_rank == 0:
         with open(report, "w") as f:
             json.dump(result, f)
+    # Tear the process group down before interpreter exit: left to shutdown, gloo's threads were once
+    # destroyed while joinable ("terminate called without an active exception", exit code -6).
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
