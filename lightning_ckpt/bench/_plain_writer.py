@@ -3,7 +3,7 @@ a checkpoint's bytes. Run by path with ``python -I``; imports only the standard 
 starts in milliseconds and takes no memory or CPU beyond the writing itself.
 
 Reads ``<path>\\t<nbytes>`` lines from stdin. For each, writes ``nbytes`` (rounded up to 4 KiB)
-sequentially into a new file from one reused 16 MiB buffer, with ``O_DIRECT`` where the filesystem
+sequentially into a new file from one reused ``DIRECT_CHUNK`` buffer, with ``O_DIRECT`` where the filesystem
 accepts it, fsyncs the file, and answers ``done\\t<path>\\t<time.perf_counter()>`` (Linux: the
 system-wide monotonic clock, comparable across processes) or ``error\\t<path>\\t<message>``.
 """
@@ -17,7 +17,20 @@ import sys
 import time
 
 ALIGN = 4096  # O_DIRECT alignment of buffer address, offset and length
-CHUNK = 16 << 20
+DIRECT_CHUNK = 16 * 2**20  # the O_DIRECT writes' size
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of ``ALIGN``."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def direct_buffer(nbytes: int) -> memoryview:
+    """A page-aligned buffer of random bytes for ``O_DIRECT`` writes of ``nbytes``: one
+    ``DIRECT_CHUNK`` at most, reused for every write."""
+    raw = mmap.mmap(-1, min(DIRECT_CHUNK, aligned(nbytes)))  # anonymous maps are page-aligned
+    raw[:] = os.urandom(len(raw))
+    return memoryview(raw)
 
 
 def write_and_fsync(path: str, flags: int, buffer: memoryview, nbytes: int) -> None:
@@ -35,7 +48,7 @@ def write_and_fsync(path: str, flags: int, buffer: memoryview, nbytes: int) -> N
 def write(path: str, nbytes: int, buffer: memoryview) -> None:
     """``nbytes`` rounded up to ``ALIGN`` from the page-aligned ``buffer``: ``O_DIRECT`` where the
     filesystem accepts it, else buffered; fsynced either way."""
-    total = -(-nbytes // ALIGN) * ALIGN
+    total = aligned(nbytes)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
     try:
         write_and_fsync(path, flags | getattr(os, "O_DIRECT", 0), buffer, total)
@@ -47,9 +60,7 @@ def write(path: str, nbytes: int, buffer: memoryview) -> None:
 
 
 def main() -> None:
-    raw = mmap.mmap(-1, CHUNK)  # anonymous maps are page-aligned
-    raw.write(os.urandom(CHUNK))
-    buffer = memoryview(raw)
+    buffer = direct_buffer(DIRECT_CHUNK)
     for line in sys.stdin:
         path, nbytes = line.rstrip("\n").split("\t")
         try:

@@ -73,7 +73,6 @@ import argparse
 import contextlib
 import gc
 import math
-import mmap
 import os
 import re
 import resource
@@ -90,12 +89,10 @@ from typing import Any
 
 import torch
 
-from lightning_ckpt.bench._plain_writer import write_and_fsync
+from lightning_ckpt.bench._plain_writer import aligned, direct_buffer, write_and_fsync
 from lightning_ckpt.bench.files import (
-    ALIGN,
     BUFFERED_CHUNK,
     DEFAULT_DIR,
-    DIRECT_CHUNK,
     drop_page_cache,
     fsync_file,
     remove_path,
@@ -464,10 +461,8 @@ def _ddp_run(task: Task, rank: int, world_size: int) -> Metrics:
 def _plain_write(path: str, nbytes: int, direct: bool) -> Metrics:
     """Write ``nbytes`` sequentially and fsync; the buffer is prepared before the common start."""
     if direct:
-        nbytes = -(-nbytes // ALIGN) * ALIGN
-        raw = mmap.mmap(-1, min(DIRECT_CHUNK, nbytes))  # page-aligned
-        raw[:] = os.urandom(len(raw))
-        buffer = memoryview(raw)
+        nbytes = aligned(nbytes)
+        buffer = direct_buffer(nbytes)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT
     else:
         buffer = memoryview(os.urandom(min(BUFFERED_CHUNK, nbytes)))

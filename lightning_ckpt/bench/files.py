@@ -1,4 +1,4 @@
-"""Files under test: the run folder, removal, fsync, page-cache dropping and plain writes."""
+"""Files under test: the run folder, removal, fsync, page-cache dropping (plain writes: ``_plain_writer``)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ from collections.abc import Iterator
 from lightning_ckpt import _fs
 
 BUFFERED_CHUNK = 64 * 2**20
-DIRECT_CHUNK = 16 * 2**20
-ALIGN = 4096  # O_DIRECT buffers, offsets and lengths are multiples of this
 DEFAULT_DIR = os.path.join("bench-results", "tmp")
 
 

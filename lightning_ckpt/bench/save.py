@@ -22,7 +22,6 @@ The other modes (``--mode async|train|distributed|activations``) live in this pa
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import shutil
 import statistics
@@ -33,12 +32,10 @@ from typing import Any
 import torch
 
 from lightning_ckpt.bench import add_mode_argument
-from lightning_ckpt.bench._plain_writer import write_and_fsync
+from lightning_ckpt.bench._plain_writer import ALIGN, aligned, direct_buffer, write_and_fsync
 from lightning_ckpt.bench.files import (
-    ALIGN,
     BUFFERED_CHUNK,
     DEFAULT_DIR,
-    DIRECT_CHUNK,
     drop_page_cache,
     fsync_file,
     remove_path,
@@ -67,10 +64,8 @@ def _plain_buffered(path: str, nbytes: int) -> Metrics:
 def _plain_direct(path: str, nbytes: int) -> Metrics:
     if not hasattr(os, "O_DIRECT"):
         raise OSError("O_DIRECT is not available on this platform")
-    total = -(-nbytes // ALIGN) * ALIGN
-    raw = mmap.mmap(-1, min(DIRECT_CHUNK, total))  # anonymous maps are page-aligned
-    raw[:] = os.urandom(len(raw))
-    buffer = memoryview(raw)
+    total = aligned(nbytes)
+    buffer = direct_buffer(total)
 
     def write() -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
@@ -88,8 +83,7 @@ def _plain_direct(path: str, nbytes: int) -> Metrics:
     try:
         result = measure(write)
     finally:
-        buffer.release()
-        raw.close()
+        buffer.release()  # the only reference to its mapping: unmapped here
     return {**result, "bytes_written": total}
 
 
