@@ -67,3 +67,16 @@ def flip_byte(file: str | os.PathLike, offset: int) -> None:
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 0x01]))
+
+
+def close_process_group() -> None:
+    """End a multi-rank test script: every rank meets, then tears its process group down.
+
+    Left to interpreter shutdown, gloo's threads were destroyed while joinable ("terminate called
+    without an active exception", exit code -6), once each in two scripts' full-suite runs.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from activation_models import Block, fit_decoder  # noqa: E402
 from activation_models import Decoder as _Decoder  # noqa: E402
+from helpers import close_process_group  # noqa: E402
 from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 
 import lightning_ckpt as lc  # noqa: E402
@@ -93,10 +94,7 @@ def main(report: str) -> None:
     if plain_trainer.global_rank == 0:
         with open(report, "w") as f:
             json.dump(result, f)
-    # Tear the process group down before interpreter exit: left to shutdown, gloo's threads were once
-    # destroyed while joinable ("terminate called without an active exception", exit code -6).
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":

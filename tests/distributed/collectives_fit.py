@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from helpers import close_process_group  # noqa: E402
 from models import TinyRegressor, trainer_kwargs  # noqa: E402
 
 import lightning_ckpt as lc  # noqa: E402
@@ -103,3 +104,4 @@ def main(report: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    close_process_group()

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from lightning.pytorch import Trainer  # noqa: E402
+from helpers import close_process_group  # noqa: E402
 from models import TinyRegressor, fit_regressor  # noqa: E402
 
 import lightning_ckpt as lc  # noqa: E402
@@ -70,3 +71,4 @@ def main(report: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    close_process_group()

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from lightning.pytorch import Trainer, seed_everything  # noqa: E402
+from helpers import close_process_group  # noqa: E402
 from models import TinyRegressor, trainer_kwargs  # noqa: E402
 
 import lightning_ckpt as lc  # noqa: E402
@@ -71,3 +72,4 @@ def main(report: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    close_process_group()

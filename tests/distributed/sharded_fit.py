@@ -27,6 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from helpers import close_process_group  # noqa: E402
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
 from torch.distributed.checkpoint.state_dict import (  # noqa: E402
     StateDictOptions,
@@ -267,3 +268,4 @@ if __name__ == "__main__":
         s3(report, devices, sys.argv[4])
     else:
         reshard(report, devices, sys.argv[4], sys.argv[5])
+    close_process_group()

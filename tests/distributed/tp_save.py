@@ -12,9 +12,12 @@ import json
 import os
 import sys
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from helpers import close_process_group  # noqa: E402
 
 FULL = {
     "attn.wq": torch.arange(5 * 6, dtype=torch.float32).reshape(5, 6),  # Shard(0), uneven on 2 ranks
@@ -76,10 +79,7 @@ def _rank(rank: int, folder: str, report: str) -> None:
     if rank == 0:
         with open(report, "w") as f:
             json.dump({"ranks": gathered}, f)
-    # Both ranks tear gloo down together: a rank whose peer already exited has aborted in gloo's
-    # teardown ("terminate called without an active exception"), once in a full-suite run.
-    dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":
