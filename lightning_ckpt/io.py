@@ -554,7 +554,7 @@ class ShardedCheckpointIO(CheckpointIO):
         self._copy_waits[path] = copies
         while len(self._copy_waits) > _COPY_WAITS_KEPT:
             self._copy_waits.popitem(last=False)
-        self._pending = pending = _Pending(copies, [submit], register_optimizer_step_pre_hook(self._before_step))
+        self._pending = pending = _Pending(copies, [submit])
         threading.Thread(target=self._drain_when_landed, args=(pending,), name="lightning_ckpt-handoff", daemon=True).start()
 
     def _then(self, action: Callable[[], None]) -> None:
@@ -564,31 +564,12 @@ class ShardedCheckpointIO(CheckpointIO):
         else:
             action()
 
-    def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Optimizer pre-step hook: the step changes what the pending copies read, so the training
-        stream is ordered after them here, or, for a step given a closure (Lightning's automatic
-        optimization runs forward and backward inside it), once the closure has run."""
-        # ``args`` starts with the optimizer itself (``step`` is a method): the closure is next.
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if not callable(closure):
-            self._hand_over()
-            return None
-
-        def then_hand_over(*a: Any, **k: Any) -> Any:
-            result = closure(*a, **k)
-            self._hand_over()
-            return result
-
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": then_hand_over}
-        return (args[0], then_hand_over, *args[2:]), kwargs
-
     def _hand_over(self) -> None:
+        """An optimizer is about to step (see ``_before_optimizer_step``)."""
         with self._lock:
             pending = self._pending
             if pending is not None:
                 pending.copies.hand_over()
-                pending.unhook()
                 self._drain(block=False)
 
     @contextlib.contextmanager
@@ -627,7 +608,6 @@ class ShardedCheckpointIO(CheckpointIO):
             elif not pending.copies.landed():
                 return
             self._pending = None
-            pending.unhook()
             errors = []
             for action in pending.actions:  # each runs, whatever an earlier one raised
                 try:
@@ -873,6 +853,8 @@ class ShardedCheckpointIO(CheckpointIO):
         self.__dict__.update(state)
         self._lock = threading.RLock()
         self._uploader = remote.Uploader()
+        if self.async_save:
+            _track_optimizers()
         _live_instances.add(self)
 
 
@@ -887,26 +869,53 @@ class _Pending:
 
     copies: staging.Copies
     actions: list[Callable[[], None]]  # in order: the submission first, then removals and re-saves
-    hook: Any  # the optimizer pre-step hook handle (None once removed)
-
-    def unhook(self) -> None:
-        if self.hook is not None:
-            self.hook.remove()
-            self.hook = None
 
 
 # Optimizers seen stepping in this process. Their parameters and state change only in their own
 # ``step()``, so the copies of those tensors may overlap the next forward and backward.
 _stepping: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-_stepping_hook: Any = None
+_step_hook: Any = None
 _COPY_WAITS_KEPT = 64
 _STAGING_HEADROOM, _STAGING_SLACK = 1.05, 64 * 2**20  # prepare_staging's margin over the estimate
 
 
 def _track_optimizers() -> None:
-    global _stepping_hook
-    if _stepping_hook is None:
-        _stepping_hook = register_optimizer_step_pre_hook(lambda optimizer, *_: _stepping.add(optimizer))
+    """Register ``_before_optimizer_step`` once per process. It is never removed: torch iterates
+    the hooks' dict in ``step()``, so a hook removed from inside that loop (or by another thread
+    meanwhile) raises "OrderedDict mutated during iteration" there."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_pre_hook(_before_optimizer_step)
+
+
+def _before_optimizer_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Every optimizer's pre-step hook: note the optimizer as stepping, and, as the step changes
+    what pending device copies read, order the training stream after them here, or, for a step
+    given a closure (Lightning's automatic optimization runs forward and backward inside it), once
+    the closure has run."""
+    _stepping.add(optimizer)
+    waiting = [io for io in list(_live_instances) if io._pending is not None]
+    if not waiting:
+        return None
+
+    def hand_over() -> None:
+        for io in waiting:
+            io._hand_over()
+
+    # ``args`` starts with the optimizer itself (``step`` is a method): the closure is next.
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if not callable(closure):
+        hand_over()
+        return None
+
+    def then_hand_over(*a: Any, **k: Any) -> Any:
+        result = closure(*a, **k)
+        hand_over()
+        return result
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": then_hand_over}
+    return (args[0], then_hand_over, *args[2:]), kwargs
 
 
 def _storage(tensor: torch.Tensor) -> int:
