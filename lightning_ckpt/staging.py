@@ -39,6 +39,7 @@ from lightning_ckpt.plan import Blob, Plan, Shard
 
 ALIGN = 4096
 PIN_CHUNK = 256 * 2**20  # bytes page-locked per cudaHostRegister call (a multiple of ALIGN)
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch pins
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in, writable, without touching them
 _POPULATE_THREADS = min(4, max(2, (os.cpu_count() or 2) // 2))
 
@@ -109,6 +110,9 @@ class _Preparer:
     def __init__(self, view: torch.Tensor, address: int, nbytes: int, pin: bool) -> None:
         self.ready = 0
         self.pin = pin
+        # The caller's device (Lightning has set the rank's): a new thread's is device 0, and
+        # registering from there would open a context on GPU 0 for every rank of the node.
+        self._device = torch.cuda.current_device() if pin else None
         self.failed = False  # a registration failed: the rest runs unpinned (slower, still correct)
         self._chunks: list[int] = []
         self._stop = False
@@ -124,6 +128,8 @@ class _Preparer:
         starts = deque(range(0, nbytes, PIN_CHUNK))
         populating: deque[Future[None]] = deque()
         offset = 0
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
         executor = ThreadPoolExecutor(_POPULATE_THREADS, thread_name_prefix="lightning_ckpt-fault")
         try:
             while offset < nbytes and not self._stop:
@@ -134,7 +140,7 @@ class _Preparer:
                 populating.popleft().result()
                 n = min(PIN_CHUNK, nbytes - offset)
                 if self.pin and not self.failed:
-                    if int(torch.cuda.cudart().cudaHostRegister(address + offset, n, 0)) == 0:
+                    if int(torch.cuda.cudart().cudaHostRegister(address + offset, n, _HOST_REGISTER_PORTABLE)) == 0:
                         self._chunks.append(address + offset)
                     else:
                         self.failed = True
@@ -179,11 +185,16 @@ class Copies:
     holds every byte. ``waited_seconds()`` is how long the training stream idled for the copies.
     """
 
-    def __init__(self, done: torch.cuda.Event, early_wait: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> None:
+    def __init__(
+        self,
+        done: torch.cuda.Event,
+        early_wait: tuple[torch.cuda.Event, torch.cuda.Event] | None,
+        device: torch.device,
+    ) -> None:
         self._done = done
         self._waits = [early_wait] if early_wait is not None else []
         self._handed = False
-        self._device = torch.cuda.current_device()
+        self._device = device  # the copied tensors' device, whose training stream waits for them
 
     def hand_over(self) -> None:
         """Idempotent; a no-op once the copies have landed."""
@@ -230,7 +241,8 @@ class StagingPool:
 
     def reserve(self, nbytes: int, pin: bool = False) -> None:
         """Make the pool at least ``nbytes`` large (a new buffer only when it must grow) and start
-        faulting it in, and page-locking it if ``pin``, in the background."""
+        faulting it in, and page-locking it if ``pin`` (and CUDA is there), in the background."""
+        pin = pin and torch.cuda.is_available()
         if nbytes > self.nbytes or self._map is None:
             if self.max_bytes is not None and nbytes > self.max_bytes:
                 raise ValueError(
@@ -254,6 +266,11 @@ class StagingPool:
     def buffer(self) -> mmap.mmap:
         assert self._map is not None, "reserve() first"
         return self._map
+
+    @property
+    def pins(self) -> bool:
+        """Is the pool page-locked, or being page-locked in the background?"""
+        return self._preparer is not None and self._preparer.pin
 
     @property
     def pinned_bytes(self) -> int:
@@ -285,7 +302,7 @@ class StagingPool:
             assert self._stream is not None
             early = torch.cuda.Event()
             early.record(self._stream)
-            early_wait = _timed_wait(torch.cuda.current_stream(), early)
+            early_wait = _timed_wait(torch.cuda.current_stream(self._stream.device), early)
         for blob, start in later:
             self._copy_to_pool(blob, start)
         copies = self.copies(early_wait)
@@ -334,9 +351,12 @@ class StagingPool:
         if not self._queued:  # the copies read what the training stream has written so far
             self._stream.wait_stream(torch.cuda.current_stream(blob.source.device))
             self._queued = True
-        source = blob.source.detach().reshape(-1).view(torch.uint8)
         end = start + blob.nbytes
         with torch.cuda.stream(self._stream):
+            # On the side stream, after its wait: a non-contiguous tensor (channels_last weights
+            # and their optimizer state) is packed here, in memory only this stream uses, never
+            # in a temporary of the training stream's that the copy could read before it is written.
+            source = blob.source.detach().contiguous().view(-1).view(torch.uint8)
             piece = start
             while piece < end:
                 piece_end = min(end, (piece // PIN_CHUNK + 1) * PIN_CHUNK)
@@ -357,9 +377,9 @@ class StagingPool:
             return None
         self._queued = False
         assert self._stream is not None
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(blocking=True)  # the hand-off thread sleeps on it, not spins
         done.record(self._stream)
-        return Copies(done, early_wait)
+        return Copies(done, early_wait, self._stream.device)
 
     def close(self) -> None:
         """Release the buffer (the writer process drops its own mapping when told of a new one)."""

@@ -66,8 +66,8 @@ def _assert_saved(path, expected: dict) -> None:
 
 @pytest.mark.parametrize("closure", [False, True], ids=["step", "step-with-closure"])
 def test_async_copies_overlap_forward_backward_and_are_handed_over_before_the_step(tmp_path, closure):
+    io = lc.ShardedCheckpointIO(async_save=True)  # first: it sees the optimizer step in _bn_model
     model, optimizer = _bn_model()
-    io = lc.ShardedCheckpointIO(async_save=True)
     try:
         state = _snapshot(model, optimizer)
         expected = _host_copy(state)
@@ -105,6 +105,32 @@ def test_async_copies_overlap_forward_backward_and_are_handed_over_before_the_st
     finally:
         io.teardown()
     _assert_saved(tmp_path / "gpu.ckpt", expected)
+
+
+def test_async_save_of_non_contiguous_cuda_tensors_is_exact(tmp_path):
+    # channels_last weights and their AdamW moments are not contiguous: each is packed for the
+    # copy on the side stream, after its wait, not in a temporary the training stream reuses.
+    io = lc.ShardedCheckpointIO(async_save=True)
+    model = torch.nn.Sequential(torch.nn.Conv2d(16, 64, 3), torch.nn.Conv2d(64, 64, 3)).cuda()
+    model = model.to(memory_format=torch.channels_last)
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(8, 16, 32, 32, device="cuda").to(memory_format=torch.channels_last)
+    model(x).sum().backward()
+    optimizer.step()
+    try:
+        state = _snapshot(model, optimizer)
+        assert not state["state_dict"]["0.weight"].is_contiguous()
+        expected = _host_copy(state)
+        torch.cuda._sleep(int(1e9))  # the copies queue behind a busy training stream
+        with io.overlapping():
+            io.save_checkpoint(state, tmp_path / "cl.ckpt")
+        for _ in range(3):  # allocations that would reuse a freed temporary's memory
+            model(torch.randn_like(x)).sum().backward()
+        optimizer.step()
+        io.wait()
+    finally:
+        io.teardown()
+    _assert_saved(tmp_path / "cl.ckpt", expected)
 
 
 def test_async_copies_outside_overlapping_are_waited_for_at_once(tmp_path):
