@@ -53,6 +53,7 @@ from typing_extensions import override
 
 from lightning_ckpt import manifest as fmt
 from lightning_ckpt.compile import install_load_hook, strip_compiled_prefixes
+from lightning_ckpt.io import location
 from lightning_ckpt.memory import EMPTY_CUDA_CACHE_MODES, EmptyCudaCache, MemoryStats, memory_stats, release_memory
 from lightning_ckpt.monitor import SaveMonitor, SaveRecord, print_summary, save_line
 from lightning_ckpt.remote import RemoteOptions, is_remote, url_key
@@ -492,9 +493,9 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         )
         self._monitor.add(record)
         if durable is None:
-            self._awaiting_durable.append((os.path.abspath(filepath), record))
-        if waits_copies:
-            self._awaiting_copy_wait.append((os.path.abspath(filepath), record))
+            self._awaiting_durable.append((location(filepath), record))
+        if waits_copies:  # keyed as the IO keys them: a URL as it is, a local path absolute
+            self._awaiting_copy_wait.append((location(filepath), record))
         self._log(trainer, record)
         if self.verbose:
             Console(soft_wrap=True).print(save_line(record))
@@ -562,7 +563,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             return []
         done = []
         for result in io.poll():  # in completion order, which is submission order
-            path = os.path.abspath(result.path)
+            path = location(result.path)
             match = next((i for i, (p, _) in enumerate(self._awaiting_durable) if p == path), None)
             if match is not None:
                 _, record = self._awaiting_durable.pop(match)
@@ -622,7 +623,10 @@ def _prepare_staging(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None
         return
     if trainer.world_size > 1 and not isinstance(trainer.strategy, (ModelParallelStrategy, FSDPStrategy)):
         return
-    tensors = [t for t in pl_module.state_dict().values() if isinstance(t, torch.Tensor)]
+    # Parameters and buffers, not ``state_dict()``: under FSDP (1) that would gather every full
+    # parameter onto every rank; these are this rank's shards (FSDP1's flat parameters, FSDP2's
+    # DTensors) and count tied weights once.
+    tensors = [*pl_module.parameters(), *pl_module.buffers()]
     for optimizer in trainer.optimizers:
         tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
     local = [getattr(t, "_local_tensor", t) for t in tensors]

@@ -68,7 +68,7 @@ def _check_local(path: Any, argument: str) -> str:
     return path.removeprefix("file://")
 
 
-def _location(path: Any) -> str:
+def location(path: Any) -> str:
     """A remote URL as it is; a local path made absolute (``file://`` dropped)."""
     path = os.fspath(path)
     return path if remote.is_remote(path) else os.path.abspath(path.removeprefix("file://"))
@@ -390,7 +390,7 @@ class ShardedCheckpointIO(CheckpointIO):
                 f" got storage_options={storage_options!r}. Pass them once as"
                 " `ShardedCheckpointIO(storage_options=...)` instead."
             )
-        path = _location(path)
+        path = location(path)
         if self.async_save and remote.is_remote(path) and fsspec.utils.get_protocol(path) == "memory":
             raise ValueError(
                 f"Cannot save {path!r} with `async_save=True`: a memory:// filesystem lives in one process, and the"
@@ -414,7 +414,7 @@ class ShardedCheckpointIO(CheckpointIO):
         """
         from lightning_ckpt.distributed import plan_part
 
-        path = _location(path)
+        path = location(path)
         if remote.is_remote(path) and self.remote.local_dir is None:
             raise ValueError(
                 f"Saving {path!r} from every rank needs `ShardedCheckpointIO(local_dir=...)` on a folder all ranks"
@@ -642,7 +642,7 @@ class ShardedCheckpointIO(CheckpointIO):
         """How long the training stream idled (GPU time) for the device copies of the latest async
         save to ``path``: a cost of that save beyond its call. ``None`` until known; 0 for a save
         that queued no device copy of its own."""
-        copies = self._copy_waits.get(_location(path))
+        copies = self._copy_waits.get(location(path))
         return 0.0 if copies is None else copies.waited_seconds()
 
     def _stage_in_chunks(
@@ -729,7 +729,7 @@ class ShardedCheckpointIO(CheckpointIO):
         In async mode the removal is queued behind the saves in flight: a checkpoint is only
         removed once the one replacing it is committed.
         """
-        path = _location(path)
+        path = location(path)
         if remote.is_remote(path) and remote.url_key(path) in self._loaded_remote:
             warnings.warn(
                 f"Kept {path!r}: this run loaded (resumed from) it, and a callback asked to remove it. Lightning's"
@@ -794,7 +794,7 @@ class ShardedCheckpointIO(CheckpointIO):
         (0.4 s at 3 GB): a host-only pool is freed on a thread, so ``teardown`` does not wait for
         it; a page-locked one here (unregistering synchronises with the device)."""
         pool = self._pool
-        if pool.pinned_bytes or pool.nbytes == 0:
+        if pool.pins or pool.nbytes == 0:
             pool.close()
             return
         self._pool = StagingPool(pool.max_bytes)
