@@ -701,6 +701,13 @@ def write_shards(
 ) -> dict[str, fmt.FileRecord]:
     """Write every shard of ``plan`` into ``folder`` (fsynced); from ``images`` when staged."""
     files: dict[str, fmt.FileRecord] = {}
+    if images is None:
+        # The filler thread copies device bytes on its own (default) stream, which is not ordered
+        # after a training stream of the caller's (``torch.cuda.stream(s)``): the caller's streams
+        # finish their queued writes first. A sync save blocks anyway.
+        devices = {b.source.device for s in plan.shards for b in s.blobs if b.source is not None and b.source.is_cuda}
+        for device in devices:
+            torch.cuda.current_stream(device).synchronize()
     for shard in plan.shards:
         file_path = os.path.join(folder, shard.filename)
         if images is not None:
