@@ -97,8 +97,11 @@ def _loop(scenario: str, policy: str, steps: int, every: int, seed: int) -> dict
 
 def _run(scenario: str, policy: str, expandable: bool, args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ)
-    conf = [c for c in env.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",") if c and "expandable_segments" not in c]
-    env["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(conf + [f"expandable_segments:{expandable}"])
+    # The user's allocator settings stay, but for expandable_segments. Torch reads PYTORCH_ALLOC_CONF
+    # before the older PYTORCH_CUDA_ALLOC_CONF: both get the same value, so neither overrides ours.
+    user = env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    conf = [c for c in user.split(",") if c and "expandable_segments" not in c]
+    env["PYTORCH_ALLOC_CONF"] = env["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(conf + [f"expandable_segments:{expandable}"])
     task = json.dumps([scenario, policy, args.steps, args.every, args.seed])
     out = subprocess.run(
         [sys.executable, "-m", "lightning_ckpt.bench.fragmentation", "--child", task],
