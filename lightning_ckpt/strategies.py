@@ -153,6 +153,7 @@ class _ShardedResume(Strategy):
             StateDictOptions,
             get_model_state_dict,
             get_optimizer_state_dict,
+            set_model_state_dict,
             set_optimizer_state_dict,
         )
 
@@ -169,7 +170,9 @@ class _ShardedResume(Strategy):
             targets["optimizer_states"] = [get_optimizer_state_dict(self.model, o) for o in optimizers]
         verify = getattr(self.checkpoint_io, "verify_on_load", "full") == "full"
         checkpoint = load_sharded(checkpoint_path, targets, strict=strict, weights_only=weights_only, verify=verify)
-        self.model.load_state_dict(checkpoint.pop("state_dict"), strict=strict)
+        # Through DCP, as the targets came: FSDP (1) modules load sharded values only inside its
+        # sharded state-dict context (a plain ``load_state_dict`` expects full tensors).
+        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=StateDictOptions(strict=strict))
         saved = checkpoint.pop("optimizer_states", [])
         if optimizers and len(saved) != len(optimizers):
             raise ValueError(

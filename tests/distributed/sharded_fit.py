@@ -71,9 +71,27 @@ class ShardedNet(LightningModule):
         return DataLoader(data, batch_size=8)
 
 
+class FSDP1Net(ShardedNet):
+    """The same network under FSDP (1), wrapped by the module itself as Lightning allows (each
+    Linear, then the whole): Lightning 2.6 wraps with ``device_id=None``, which torch refuses on CPU."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        if isinstance(self.net, FSDP):
+            return
+        cpu = torch.device("cpu")
+        for i, layer in enumerate(self.net):
+            if isinstance(layer, torch.nn.Linear):
+                self.net[i] = FSDP(layer, device_id=cpu, use_orig_params=True)
+        self.net = FSDP(self.net, device_id=cpu, use_orig_params=True)
+
+
 def full_state(trainer: Trainer, module: LightningModule) -> dict:
     """The whole model and optimizer state (a collective: every rank calls it)."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # FSDP (1) on CPU: offloading (rank 0 only) clones views of freed unsharded parameters and
+    # crashes in torch; without it every rank gathers the full state, already on the CPU.
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not isinstance(trainer.strategy, lc.ShardedFSDPStrategy))
     optimizer = trainer.optimizers[0]
     return {
         "model": get_model_state_dict(module, options=options),
@@ -104,11 +122,16 @@ class CaptureRestored(Callback):
         trainer.should_stop = True
 
 
-def trainer(devices: int, callbacks: list, max_epochs: int, local_dir: str | None = None) -> Trainer:
+def trainer(devices: int, callbacks: list, max_epochs: int, local_dir: str | None = None, fsdp1: bool = False) -> Trainer:
+    strategy = (
+        lc.ShardedFSDPStrategy()
+        if fsdp1
+        else lc.ShardedModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    )
     return Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy=lc.ShardedModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1),
+        strategy=strategy,
         plugins=[lc.ShardedCheckpointIO(async_save=ASYNC, local_dir=local_dir)],
         callbacks=callbacks,
         max_epochs=max_epochs,
@@ -128,18 +151,19 @@ def states_equal(a: dict, b: dict) -> bool:
     return a == b
 
 
-def fit(report: str, devices: int) -> None:
+def fit(report: str, devices: int, fsdp1: bool = False) -> None:
     folder = os.path.dirname(report)
     ckpts = os.path.join(folder, f"ckpts-{devices}")
+    net = FSDP1Net if fsdp1 else ShardedNet
     seed_everything(0)
     checkpoint = lc.ShardedModelCheckpoint(dirpath=ckpts, save_top_k=-1, every_n_epochs=1, save_last=True)
-    first = trainer(devices, [Capture(folder), checkpoint], 2)
-    first.fit(ShardedNet())
+    first = trainer(devices, [Capture(folder), checkpoint], 2, fsdp1=fsdp1)
+    first.fit(net())
     final = full_state(first, first.lightning_module)
     epoch0 = os.path.join(ckpts, sorted(n for n in os.listdir(ckpts) if n.startswith("epoch=0"))[0])
     seed_everything(0)
-    resumed = trainer(devices, [lc.ShardedModelCheckpoint(dirpath=ckpts + "-resumed", save_top_k=-1)], 2)
-    resumed.fit(ShardedNet(), ckpt_path=epoch0)
+    resumed = trainer(devices, [lc.ShardedModelCheckpoint(dirpath=ckpts + "-resumed", save_top_k=-1)], 2, fsdp1=fsdp1)
+    resumed.fit(net(), ckpt_path=epoch0)
     after = full_state(resumed, resumed.lightning_module)
     if first.is_global_zero:
         with open(report, "w") as f:
@@ -260,8 +284,8 @@ def ddp(report: str, spread: bool) -> None:
 
 if __name__ == "__main__":
     report, mode, devices = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    if mode == "fit":
-        fit(report, devices)
+    if mode in ("fit", "fsdp1"):
+        fit(report, devices, fsdp1=mode == "fsdp1")
     elif mode == "ddp":
         ddp(report, sys.argv[4] == "True")
     elif mode == "s3":
