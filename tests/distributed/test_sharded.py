@@ -38,8 +38,11 @@ def _single_process_load_equals(checkpoint, full) -> None:
     assert optimizer["param_groups"] == saved["optimizer"]["param_groups"]
 
 
-def test_fsdp2_on_two_ranks_every_rank_writes_and_resume_is_bit_identical(tmp_path):
-    result = run_script("distributed/sharded_fit.py", "fit", "2", tmp_path=tmp_path)
+@pytest.mark.parametrize("mode", ["fit", "fsdp1"], ids=["fsdp2", "fsdp1"])
+def test_two_ranks_every_rank_writes_and_resume_is_bit_identical(tmp_path, mode):
+    # fsdp1: ShardedFSDPStrategy (sharded state dicts hold ShardedTensors) resumes by loading
+    # through DCP's state-dict API; a plain load_state_dict refused the sharded values.
+    result = run_script("distributed/sharded_fit.py", mode, "2", tmp_path=tmp_path)
     assert result["world_size"] == 2 and result["global_step"] == 8
     assert result["checkpoints"] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
     assert result["resumed_equals_uninterrupted"]
@@ -49,20 +52,6 @@ def test_fsdp2_on_two_ranks_every_rank_writes_and_resume_is_bit_identical(tmp_pa
         lc.verify_checkpoint(folder / name)
     _single_process_load_equals(folder / "epoch=1-step=8.ckpt", tmp_path / "full-epoch1.pt")
     assert [n for n in os.listdir(folder) if n.startswith(".")] == []
-
-
-def test_fsdp1_on_two_ranks_every_rank_writes_and_resume_is_bit_identical(tmp_path):
-    # ShardedFSDPStrategy (FSDP 1, sharded state dicts: ShardedTensors) resumes by loading through
-    # DCP's state-dict API; a plain load_state_dict refused the sharded values.
-    result = run_script("distributed/sharded_fit.py", "fsdp1", "2", tmp_path=tmp_path)
-    assert result["world_size"] == 2 and result["global_step"] == 8
-    assert result["checkpoints"] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
-    assert result["resumed_equals_uninterrupted"]
-    folder = tmp_path / "ckpts-2"
-    for name in result["checkpoints"]:
-        assert _ranks(folder / name) == {0, 1}
-        lc.verify_checkpoint(folder / name)
-    _single_process_load_equals(folder / "epoch=1-step=8.ckpt", tmp_path / "full-epoch1.pt")
 
 
 def test_fsdp2_async_on_four_ranks_reshards_to_two_and_to_one(tmp_path, monkeypatch):
