@@ -1,7 +1,9 @@
 """Run by test_activation_distributed.py as a script (Lightning's launcher re-executes it for rank 1).
 
-``argv[2]`` picks the strategy: ``ddp`` or ``fsdp2`` (``ModelParallelStrategy``, FSDP2
-``fully_shard`` of every block and the root inside ``configure_model``), 2 CPU ranks over gloo.
+``argv[2]`` picks the strategy: ``ddp``, ``fsdp2`` (``ModelParallelStrategy``, FSDP2
+``fully_shard`` of every block and the root inside ``configure_model``) or ``fsdp1``
+(``ShardedFSDPStrategy``, each block an FSDP unit wrapped in ``configure_model``), 2 CPU ranks
+over gloo.
 Fits a few steps without activation checkpointing, with the ``ActivationCheckpointing`` callback,
 and (fsdp2) with ``apply_activation_checkpointing`` called in ``configure_model`` before
 ``fully_shard``; rank 0 writes a JSON report to ``argv[1]`` comparing losses and full weights.
@@ -49,6 +51,11 @@ class Decoder(_Decoder):
             for block in self.blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(self, mesh=mesh)
+        elif STRATEGY == "fsdp1":  # each block its own FSDP unit (Lightning 2.6 cannot wrap on CPU)
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            for i, block in enumerate(self.blocks):
+                self.blocks[i] = FSDP(block, device_id=torch.device("cpu"), use_orig_params=True)
 
 
 def fit(callbacks=(), helper: bool = False) -> tuple[Trainer, Decoder]:
@@ -57,6 +64,8 @@ def fit(callbacks=(), helper: bool = False) -> tuple[Trainer, Decoder]:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    elif STRATEGY == "fsdp1":
+        strategy = lc.ShardedFSDPStrategy()
     else:
         strategy = "ddp"
     return fit_decoder(Decoder(helper=helper), callbacks, max_steps=STEPS, devices=2, strategy=strategy)

@@ -1,5 +1,6 @@
-"""ActivationCheckpointing with DDP and with ModelParallelStrategy (FSDP2) on 2 CPU ranks (gloo):
-bit-identical losses and full weights, unchanged keys, recompute observed, removed after fit."""
+"""ActivationCheckpointing with DDP, ModelParallelStrategy (FSDP2) and FSDPStrategy (FSDP1) on 2 CPU
+ranks (gloo): bit-identical losses and full weights, unchanged keys, recompute observed, removed
+after fit."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from helpers import run_script
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp1"])
 def test_two_cpu_ranks_train_bit_identically_with_activation_checkpointing(tmp_path, strategy):
     result = run_script("distributed/activation_fit.py", strategy, tmp_path=tmp_path)
     assert result["world_size"] == 2
@@ -20,7 +21,9 @@ def test_two_cpu_ranks_train_bit_identically_with_activation_checkpointing(tmp_p
     for run in ["callback", "helper"] if strategy == "fsdp2" else ["callback"]:
         assert result[run]["losses_equal"] and result[run]["weights_equal"], run
         assert result[run]["keys_equal"], run
-        assert result[run]["checkpointed"] == ["blocks.0", "blocks.1"], run
+        # FSDP1: each block sits inside its FSDP unit, where the callback finds and wraps it.
+        inner = "._fsdp_wrapped_module" if strategy == "fsdp1" else ""
+        assert result[run]["checkpointed"] == [f"blocks.0{inner}", f"blocks.1{inner}"], run
         assert result[run]["block_runs"] == [6, 6], run  # forward + recompute, every step
     assert result["callback"]["removed_after_fit"]
     assert result["all_ranks_equal"]
