@@ -52,6 +52,10 @@ def test_two_ranks_every_rank_writes_and_resume_is_bit_identical(tmp_path, mode)
         lc.verify_checkpoint(folder / name)
     _single_process_load_equals(folder / "epoch=1-step=8.ckpt", tmp_path / "full-epoch1.pt")
     assert [n for n in os.listdir(folder) if n.startswith(".")] == []
+    if mode == "fsdp1":  # an FSDP1 checkpoint resumes under FSDP2 on another world size
+        checkpoint, full = folder / "epoch=0-step=4.ckpt", tmp_path / "full-epoch0.pt"
+        resharded = run_script("distributed/sharded_fit.py", "reshard", "1", str(checkpoint), str(full), tmp_path=tmp_path)
+        assert resharded == {"world_size": 1, "restored_equals_saved": True}
 
 
 def test_fsdp2_async_on_four_ranks_reshards_to_two_and_to_one(tmp_path, monkeypatch):
