@@ -96,7 +96,7 @@ class PartPlan:
     tree: Any  # the checkpoint dict's JSON tree: the same on every rank, written by rank 0
     pieces: list[dict[str, Any]]  # what this rank writes: tensor id, blob, offsets, shape
     tensors: list[dict[str, Any]]  # every tensor of the checkpoint (whole shape), in tree order
-    layout: str  # digest of ``tensors``: rank 0 refuses parts whose layout differs from its own
+    layout: str  # ``layout_digest(tensors)``: rank 0 refuses parts whose layout differs from its own
 
 
 def plan_part(checkpoint: dict[Any, Any], rank: int, world_size: int, max_shard_size: int) -> PartPlan:
@@ -159,8 +159,13 @@ def plan_part(checkpoint: dict[Any, Any], rank: int, world_size: int, max_shard_
         }
         for value, component, path in found
     ]
-    layout = fmt.digest(json.dumps(tensors, sort_keys=True).encode())
-    return PartPlan(plan, tree, written, tensors, layout)
+    return PartPlan(plan, tree, written, tensors, layout_digest(tensors))
+
+
+def layout_digest(tensors: list[dict[str, Any]]) -> str:
+    """What every rank of a save must agree on: each tensor's name, dtype, shape and kind. Not its
+    device: rank k's shards live on ``cuda:k`` (the manifest records rank 0's)."""
+    return fmt.digest(json.dumps([{k: v for k, v in t.items() if k != "device"} for t in tensors], sort_keys=True).encode())
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:

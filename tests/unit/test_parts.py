@@ -88,6 +88,17 @@ def test_a_rank_that_saves_other_tensors_fails_the_save_and_keeps_the_old_checkp
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
 
 
+def test_ranks_agree_on_the_layout_whatever_device_their_shards_live_on():
+    # Rank k's shards are on cuda:k: a layout that counted devices failed every multi-GPU save.
+    from lightning_ckpt.distributed import layout_digest, plan_part
+
+    tensors = plan_part(_state(), 0, 2, 2**20).tensors
+    assert {t["device"] for t in tensors} == {"cpu"}
+    assert layout_digest([{**t, "device": "cuda:1"} for t in tensors]) == layout_digest(tensors)
+    for field, other in (("shape", [1]), ("dtype", "float16"), ("path", ["elsewhere"])):
+        assert layout_digest([{**tensors[0], field: other}, *tensors[1:]]) != layout_digest(tensors), field
+
+
 def test_a_missing_rank_times_out_on_rank_0_and_nothing_is_committed(tmp_path):
     path = tmp_path / "c.ckpt"
     errors = _save_on_ranks(path, [_state(), _state()], timeout=1.0, skip=(1,))
