@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -67,6 +68,15 @@ def _is_sharded_tensor(value: Any) -> bool:
 def _holders(value: torch.Tensor, rank: int, world_size: int) -> tuple[int, ...]:
     """The global ranks that hold the same local piece of ``value`` as this rank."""
     if _is_sharded_tensor(value):
+        group = getattr(value, "_process_group", None)
+        sharded_over = dist.get_world_size(group) if dist.is_initialized() else 1
+        if sharded_over != world_size:  # replicas elsewhere hold the same pieces: which one writes?
+            raise ValueError(
+                f"cannot save a ShardedTensor sharded over {sharded_over} of the {world_size} ranks (FSDP's"
+                " HYBRID_SHARD without a device mesh): its replicas' pieces would be written more than once."
+                " HINT: pass `device_mesh=(replicas, shards)` to `ShardedFSDPStrategy`, whose state dicts then hold"
+                " DTensors, which are saved once."
+            )
         return (rank,)
     if not isinstance(value, DTensor):
         return tuple(range(world_size))  # a plain tensor: replicated (every rank saves the same dict)
