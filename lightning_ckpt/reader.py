@@ -469,7 +469,9 @@ class _Tensors:
                 region = result
                 for dim, (start, length) in enumerate(zip(piece["offsets"], piece["shape"])):
                     region = region.narrow(dim, start, length)
-                region.copy_(self._view(t, piece, device))
+                # From the mapped bytes (a synchronous copy): a device copy of each piece would be
+                # cached beside the assembled tensor, twice the state on the GPU at the peak.
+                region.copy_(self._view(t, piece, torch.device("cpu")))
         if t.parameter:
             result = torch.nn.Parameter(result, requires_grad=t.requires_grad)
         elif t.requires_grad:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 
 def assert_positive_medians(summary: dict, *keys: str, runs: int = 1) -> None:
@@ -80,3 +82,28 @@ def close_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def one_rank_group(folder) -> Iterator[None]:
+    """A real one-rank gloo process group (file store in ``folder``) for the duration."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded_tensor(full, parts: int):
+    """``full`` as a ShardedTensor whose ``parts`` row blocks are all local to this one rank (as
+    FSDP1 hands them out): saved, each block is its own piece. Needs a process group."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+
+    rows = full.shape[0] // parts
+    shards = [
+        Shard(full[i * rows : (i + 1) * rows].clone(), ShardMetadata([i * rows] + [0] * (full.dim() - 1), [rows, *full.shape[1:]], f"rank:0/{full.device}"))
+        for i in range(parts)
+    ]
+    return init_from_local_shards(shards, list(full.shape))

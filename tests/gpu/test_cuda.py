@@ -37,6 +37,25 @@ def test_tied_cuda_weights_stay_tied(tmp_path):
     assert out["a"].data_ptr() == out["b"].data_ptr() and torch.equal(out["a"], emb)
 
 
+def test_loading_a_sharded_save_onto_the_gpu_holds_the_state_once(tmp_path):
+    from helpers import one_rank_group, sharded_tensor
+
+    full = torch.randn(64 * 2**20 // 4, 4)  # 256 MiB in 8 pieces
+    with one_rank_group(tmp_path):
+        io = lc.ShardedCheckpointIO()
+        try:
+            io.save_sharded({"state_dict": {"w": sharded_tensor(full, 8)}}, tmp_path / "c.ckpt", 0, 1, lambda token: token)
+        finally:
+            io.teardown()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loaded = lc.load_checkpoint(tmp_path / "c.ckpt", map_location="cuda")["state_dict"]["w"]
+    assert loaded.is_cuda and torch.equal(loaded.cpu(), full)
+    # The pieces are copied from the mapped file into the assembled tensor, not staged on the GPU.
+    assert torch.cuda.max_memory_allocated() - before <= full.nbytes + 2**20
+
+
 def _bn_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(512), torch.nn.Linear(512, 8)).cuda()
     optimizer = torch.optim.AdamW(model.parameters())
