@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,13 +271,16 @@ def load_sharded(
     strict: bool = True,
     weights_only: bool | None = None,
     verify: bool = True,
+    skip: Collection[str] = (),
 ) -> dict[str, Any]:
     """The checkpoint dict at ``path``, with the tensors at the key paths of ``targets`` loaded in
     place into those (sharded) tensors, resharding as needed; every other tensor comes back whole.
 
     ``targets`` mirrors the checkpoint's top level, e.g. ``{"state_dict": model_state_dict,
     "optimizer_states": [optimizer_state_dict]}`` from DCP's ``get_model_state_dict`` /
-    ``get_optimizer_state_dict``. Runs no collective: each rank reads the pieces it needs.
+    ``get_optimizer_state_dict``. Top-level keys in ``skip`` are left out, their files unread
+    (e.g. optimizer states when only evaluating). Runs no collective: each rank reads the pieces
+    it needs.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -298,8 +301,17 @@ def load_sharded(
         with warnings.catch_warnings():  # no_dist=True is the point: each rank loads its own pieces
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             dcp.load(present, storage_reader=storage, planner=DefaultLoadPlanner(flatten_state_dict=False), no_dist=True)
-        keys = [_fqn(r.path) for r in files.manifest.tensors]
-        return files.load_tree(weights_only, lambda index: present.get(keys[index]))
+        records = files.manifest.tensors
+        keys = [_fqn(r.path) for r in records]
+        unread = torch.empty(0)  # stands in for a skipped tensor until its key is dropped
+
+        def supplied(index: int) -> torch.Tensor | None:
+            return unread if records[index].path[:1] and records[index].path[0] in skip else present.get(keys[index])
+
+        checkpoint = files.load_tree(weights_only, supplied)
+        for key in skip:
+            checkpoint.pop(key, None)
+        return checkpoint
     finally:
         files.close()
 

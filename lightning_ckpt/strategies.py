@@ -169,7 +169,9 @@ class _ShardedResume(Strategy):
         if optimizers:
             targets["optimizer_states"] = [get_optimizer_state_dict(self.model, o) for o in optimizers]
         verify = getattr(self.checkpoint_io, "verify_on_load", "full") == "full"
-        checkpoint = load_sharded(checkpoint_path, targets, strict=strict, weights_only=weights_only, verify=verify)
+        # Not fitting (validate, test, predict): the optimizer states are neither read nor assembled.
+        skip = () if fitting else ("optimizer_states",)
+        checkpoint = load_sharded(checkpoint_path, targets, strict=strict, weights_only=weights_only, verify=verify, skip=skip)
         # Through DCP, as the targets came: FSDP (1) modules load sharded values only inside its
         # sharded state-dict context (a plain ``load_state_dict`` expects full tensors).
         set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=StateDictOptions(strict=strict))

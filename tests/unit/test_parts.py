@@ -88,6 +88,24 @@ def test_a_rank_that_saves_other_tensors_fails_the_save_and_keeps_the_old_checkp
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
 
 
+def test_a_sharded_load_leaves_skipped_components_unread(tmp_path):
+    # Evaluating from a sharded checkpoint reads no optimizer file (not even to hash it).
+    from lightning_ckpt.distributed import load_sharded
+
+    path = tmp_path / "c.ckpt"
+    assert _save_on_ranks(path, [_state(), _state()]) == [None, None]
+    optimizer_files = [p for p in path.iterdir() if p.name.startswith("optimizer")]
+    assert optimizer_files
+    for file in optimizer_files:
+        flip_byte(file, file.stat().st_size - 1)
+    targets = {"state_dict": {k: torch.zeros_like(v) for k, v in _state()["state_dict"].items()}}
+    loaded = load_sharded(path, targets, skip=("optimizer_states",))
+    assert "optimizer_states" not in loaded and loaded["global_step"] == 1
+    assert _equal(targets["state_dict"], _state()["state_dict"])  # loaded in place
+    with pytest.raises(lc.CorruptCheckpointError, match="optimizer"):
+        load_sharded(path, targets)
+
+
 def test_ranks_agree_on_the_layout_whatever_device_their_shards_live_on():
     # Rank k's shards are on cuda:k: a layout that counted devices failed every multi-GPU save.
     from lightning_ckpt.distributed import layout_digest, plan_part
