@@ -64,6 +64,11 @@ def install_load_hook(module: torch.nn.Module) -> Any:
     def hook(mod: torch.nn.Module, state_dict: MutableMapping[str, Any], prefix: str, *args: Any) -> None:
         if prefix:  # only the root call sees full keys
             return
+        # Nothing compiled on either side: nothing to align, and no ``state_dict()`` call (under
+        # FSDP that gathers or re-shards every parameter, with collectives).
+        compiled = any(COMPILED_SEGMENT[:-1] in name.split(".") for name, _ in mod.named_modules())
+        if not compiled and not any(COMPILED_SEGMENT in key for key in state_dict):
+            return
         align_keys_to(list(mod.state_dict().keys()), state_dict)
 
     return module.register_load_state_dict_pre_hook(hook)
