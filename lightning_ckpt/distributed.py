@@ -200,7 +200,8 @@ class ShardedStorageReader(StorageReader):
 
     Tensor keys are the JSON key paths of the checkpoint dict (``'["state_dict", "w"]'``). Each
     file is verified against its digest before the first piece is read from it (``verify=True``),
-    so a rank reads and hashes only the files its shard overlaps.
+    so a rank reads and hashes only the files its shard overlaps. Reusable: each load after the
+    first opens the checkpoint anew (it may have been replaced since).
     """
 
     def __init__(self, path: str | os.PathLike[str], verify: bool = True) -> None:
@@ -208,17 +209,25 @@ class ShardedStorageReader(StorageReader):
         self.path = os.fspath(path)
         self.verify = verify
         self.files = reader.ShardFiles(self.path, verify)
+        self._read = False  # ``files`` served a load already
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
-            self.path = os.fspath(checkpoint_id)
-            self.files = reader.ShardFiles(self.path, self.verify)
+        path = self.path if checkpoint_id is None else os.fspath(checkpoint_id)
+        if path != self.path or self._read:
+            self._reopen(path)
+
+    def _reopen(self, path: str) -> None:
+        self.files.close()
+        self.path, self.files, self._read = path, reader.ShardFiles(path, self.verify), False
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return os.path.isfile(os.path.join(os.fspath(checkpoint_id), fmt.MANIFEST_FILE))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._read:  # a later load (``dcp.load`` resets a reader only when given a checkpoint_id)
+            self._reopen(self.path)
+        self._read = True
         manifest = self.files.manifest
         state: dict[str, Any] = {}
         storage: dict[MetadataIndex, Any] = {}

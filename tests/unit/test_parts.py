@@ -167,3 +167,21 @@ def test_sharded_resume_from_a_url_without_local_dir_names_the_fix():
     io = lc.ShardedCheckpointIO()
     with pytest.raises(ValueError, match=r"needs `ShardedCheckpointIO\(local_dir=\.\.\.\)`.*convert URL \./local\.ckpt"):
         strategy._local_copy(io, "s3://bucket/run/last.ckpt")
+
+
+def test_a_reused_storage_reader_reads_the_checkpoint_as_it_is_now(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_ckpt.distributed import ShardedStorageReader
+
+    path = tmp_path / "last.ckpt"
+    lc.save_checkpoint({"state_dict": {"w": torch.zeros(3)}}, path)
+    storage = ShardedStorageReader(path)
+    key = '["state_dict", "w"]'
+    for value in (0.0, 1.0):
+        if value:  # replaced since the first load (an atomic re-save of the same path)
+            lc.save_checkpoint({"state_dict": {"w": torch.full((3,), value)}}, path)
+        target = {key: torch.empty(3)}
+        dcp.load(target, storage_reader=storage, no_dist=True)
+        assert torch.equal(target[key], torch.full((3,), value))
+    storage.files.close()
