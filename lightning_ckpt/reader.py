@@ -509,7 +509,8 @@ class ShardFiles:
 
 def _unpickle(data: bytes, at: tuple[Any, ...], path: str, map_location: MapLocation, weights_only: bool | None) -> Any:
     safe = weights_only is None or weights_only
-    location = _device_for("cpu", map_location) if not callable(map_location) else map_location
+    # torch.load's own map_location semantics (a dict remaps each saved device); None: the CPU.
+    location = torch.device("cpu") if map_location is None else map_location
     try:
         return torch.load(io.BytesIO(data), map_location=location, weights_only=safe)
     except pickle.UnpicklingError as err:
