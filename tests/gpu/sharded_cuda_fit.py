@@ -1,4 +1,5 @@
-"""Run by test_sharded_cuda.py on one GPU: ``sharded_cuda_fit.py REPORT fsdp|fsdp2 [async]``.
+"""Run by test_sharded_cuda.py: ``sharded_cuda_fit.py REPORT fsdp|fsdp2 [async]`` on
+``LCKPT_TEST_DEVICES`` GPUs (default 1; with one, FSDP1 runs ``NO_SHARD`` and sees no sharded values).
 
 Fits 2 epochs under ``ShardedFSDPStrategy`` (FSDP1, ``state_dict_type="sharded"``) or
 ``ShardedModelParallelStrategy`` (FSDP2), saving every epoch in our format; resumes from the
@@ -21,6 +22,7 @@ import lightning_ckpt as lc
 
 MODE = sys.argv[2]
 ASYNC = len(sys.argv) > 3 and sys.argv[3] == "async"
+DEVICES = int(os.environ.get("LCKPT_TEST_DEVICES", "1"))
 
 
 class Net(LightningModule):
@@ -56,10 +58,10 @@ def run(folder: str, ckpt_path: str | None = None) -> Trainer:
     if MODE == "fsdp":
         strategy = lc.ShardedFSDPStrategy(auto_wrap_policy={torch.nn.Linear})
     else:
-        strategy = lc.ShardedModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+        strategy = lc.ShardedModelParallelStrategy(data_parallel_size=DEVICES, tensor_parallel_size=1)
     trainer = Trainer(
         accelerator="cuda",
-        devices=1,
+        devices=DEVICES,
         strategy=strategy,
         plugins=[lc.ShardedCheckpointIO(async_save=ASYNC)],
         callbacks=[lc.ShardedModelCheckpoint(dirpath=folder, save_top_k=-1, every_n_epochs=1)],
@@ -81,10 +83,14 @@ if __name__ == "__main__":
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     report = sys.argv[1]
     folder = os.path.join(os.path.dirname(report), "ckpts")
-    first = full(run(folder))
-    torch.save(first, os.path.join(os.path.dirname(report), "final.pt"))
+    trainer = run(folder)
+    first = full(trainer)  # a collective; the full state is on rank 0 only
+    if trainer.is_global_zero:
+        torch.save(first, os.path.join(os.path.dirname(report), "final.pt"))
     epoch0 = os.path.join(folder, sorted(n for n in os.listdir(folder) if n.startswith("epoch=0"))[0])
     resumed = full(run(folder + "-resumed", ckpt_path=epoch0))
+    if not trainer.is_global_zero:
+        sys.exit(0)
     with open(report, "w") as f:
         json.dump(
             {
