@@ -107,3 +107,15 @@ def sharded_tensor(full, parts: int):
         for i in range(parts)
     ]
     return init_from_local_shards(shards, list(full.shape))
+
+
+def save_sharded_weight(path, full, parts: int) -> None:
+    """Save ``{"state_dict": {"w": full}}`` as a one-rank sharded save of ``parts`` pieces."""
+    import lightning_ckpt as lc
+
+    with one_rank_group(os.path.dirname(path)):
+        io = lc.ShardedCheckpointIO()
+        try:
+            io.save_sharded({"state_dict": {"w": sharded_tensor(full, parts)}}, path, 0, 1, lambda token: token)
+        finally:
+            io.teardown()

@@ -38,15 +38,10 @@ def test_tied_cuda_weights_stay_tied(tmp_path):
 
 
 def test_loading_a_sharded_save_onto_the_gpu_holds_the_state_once(tmp_path):
-    from helpers import one_rank_group, sharded_tensor
+    from helpers import save_sharded_weight
 
     full = torch.randn(64 * 2**20 // 4, 4)  # 256 MiB in 8 pieces
-    with one_rank_group(tmp_path):
-        io = lc.ShardedCheckpointIO()
-        try:
-            io.save_sharded({"state_dict": {"w": sharded_tensor(full, 8)}}, tmp_path / "c.ckpt", 0, 1, lambda token: token)
-        finally:
-            io.teardown()
+    save_sharded_weight(tmp_path / "c.ckpt", full, 8)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

@@ -8,19 +8,14 @@ import json
 
 import pytest
 import torch
-from helpers import one_rank_group, sharded_tensor
+from helpers import one_rank_group, save_sharded_weight, sharded_tensor
 
 import lightning_ckpt as lc
 
 
 def test_local_pieces_are_saved_apart_and_assembled_on_load(tmp_path):
     full = torch.arange(24.0).reshape(6, 4)
-    with one_rank_group(tmp_path):
-        io = lc.ShardedCheckpointIO()
-        try:
-            io.save_sharded({"state_dict": {"w": sharded_tensor(full, 3)}}, tmp_path / "c.ckpt", 0, 1, lambda token: token)
-        finally:
-            io.teardown()
+    save_sharded_weight(tmp_path / "c.ckpt", full, 3)
     (record,) = json.loads((tmp_path / "c.ckpt" / "manifest.json").read_text())["tensors"]
     assert [chunk["offsets"] for chunk in record["chunks"]] == [[0, 0], [2, 0], [4, 0]]
     assert torch.equal(lc.load_checkpoint(tmp_path / "c.ckpt", verify=True)["state_dict"]["w"], full)
