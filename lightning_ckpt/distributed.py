@@ -212,9 +212,8 @@ class ShardedStorageReader(StorageReader):
         self._read = False  # ``files`` served a load already
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        path = self.path if checkpoint_id is None else os.fspath(checkpoint_id)
-        if path != self.path or self._read:
-            self._reopen(path)
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != self.path:
+            self._reopen(os.fspath(checkpoint_id))
 
     def _reopen(self, path: str) -> None:
         self.files.close()

@@ -662,7 +662,7 @@ class ShardedCheckpointIO(CheckpointIO):
                 f"A shard of {largest} bytes does not fit `staging_pool_size` ({cap} bytes). Raise"
                 " `staging_pool_size` or lower `max_shard_size`."
             )
-        self._pool.reserve(cap, pin=staging.has_device_blobs(prepared.plan))
+        self._pool.reserve(cap, pin=bool(prepared.plan.cuda_devices()))
         ring = staging.Ring(cap)
         job_id: int | None = None
         try:

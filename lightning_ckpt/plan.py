@@ -133,6 +133,10 @@ class Plan:
     def file_of_blob(self) -> dict[tuple[str, str], str]:
         return {(s.component, b.name): s.filename for s in self.shards for b in s.blobs}
 
+    def cuda_devices(self) -> set[torch.device]:
+        """The CUDA devices its tensors live on (empty: every byte is in host memory)."""
+        return {b.source.device for s in self.shards for b in s.blobs if b.source is not None and b.source.is_cuda}
+
     def without_data(self) -> Plan:
         """The same plan with no tensors and no tree: small, picklable, for the writer process."""
         shards = tuple(

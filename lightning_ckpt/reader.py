@@ -471,7 +471,7 @@ class _Tensors:
                     region = region.narrow(dim, start, length)
                 # From the mapped bytes (a synchronous copy): a device copy of each piece would be
                 # cached beside the assembled tensor, twice the state on the GPU at the peak.
-                region.copy_(self._view(t, piece, torch.device("cpu")))
+                region.copy_(self.piece(index, piece))
         if t.parameter:
             result = torch.nn.Parameter(result, requires_grad=t.requires_grad)
         elif t.requires_grad:

@@ -71,11 +71,6 @@ def layout(plan: Plan) -> tuple[ImageLayout, dict[str, tuple[bytes, dict[str, fm
     return ImageLayout(offset, images), headers
 
 
-def has_device_blobs(plan: Plan) -> bool:
-    """Does staging ``plan`` copy from CUDA memory (so the pool should be page-locked)?"""
-    return any(b.source is not None and b.source.is_cuda for s in plan.shards for b in s.blobs)
-
-
 def _new_shared_fd(nbytes: int) -> int:
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create("lightning_ckpt-staging", os.MFD_CLOEXEC)
@@ -292,7 +287,7 @@ class StagingPool:
         waits for them at once. Returns ``None`` when no device copy was queued (the pool holds
         every byte).
         """
-        self.reserve(max(image_layout.nbytes, ALIGN), pin=has_device_blobs(plan))
+        self.reserve(max(image_layout.nbytes, ALIGN), pin=bool(plan.cuda_devices()))
         later: list[tuple[Blob, int]] = []
         for shard in plan.shards:
             offset = image_layout.images[shard.filename][0]

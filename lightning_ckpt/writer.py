@@ -705,8 +705,7 @@ def write_shards(
         # The filler thread copies device bytes on its own (default) stream, which is not ordered
         # after a training stream of the caller's (``torch.cuda.stream(s)``): the caller's streams
         # finish their queued writes first. A sync save blocks anyway.
-        devices = {b.source.device for s in plan.shards for b in s.blobs if b.source is not None and b.source.is_cuda}
-        for device in devices:
+        for device in plan.cuda_devices():
             torch.cuda.current_stream(device).synchronize()
     for shard in plan.shards:
         file_path = os.path.join(folder, shard.filename)
