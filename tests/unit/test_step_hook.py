@@ -7,6 +7,7 @@ A pending save exists only with CUDA copies in flight, so these tests stand in f
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -42,41 +43,38 @@ def _optimizer() -> torch.optim.Optimizer:
     return torch.optim.SGD([p], lr=0.1)
 
 
-def test_a_pending_save_is_handed_to_the_writer_at_the_next_step() -> None:
+@pytest.fixture
+def io():
     io = lc.ShardedCheckpointIO(async_save=True)
+    yield io
+    io._pending = None  # a stand-in never lands on its own
+    io.teardown()
+
+
+def test_a_pending_save_is_handed_to_the_writer_at_the_next_step(io) -> None:
     log: list[str] = []
-    try:
-        _optimizer().step()  # nothing pending: the hook does nothing
-        assert log == []
-        _pending_save(io, log)
-        _optimizer().step()
-        assert log == ["hand_over", "submitted"] and io._pending is None
-    finally:
-        io._pending = None
-        io.teardown()
+    _optimizer().step()  # nothing pending: the hook does nothing
+    assert log == []
+    _pending_save(io, log)
+    _optimizer().step()
+    assert log == ["hand_over", "submitted"] and io._pending is None
 
 
-def test_with_a_closure_the_hand_over_follows_the_closure() -> None:
-    io = lc.ShardedCheckpointIO(async_save=True)
+def test_with_a_closure_the_hand_over_follows_the_closure(io) -> None:
     log: list[str] = []
-    try:
-        _pending_save(io, log)
-        optimizer = _optimizer()
-        optimizer.step(lambda: log.append("forward and backward"))
-        assert log == ["forward and backward", "hand_over", "submitted"]
-        _pending_save(io, log)
-        log.clear()
-        optimizer.step(closure=lambda: log.append("forward and backward"))
-        assert log == ["forward and backward", "hand_over", "submitted"]
-    finally:
-        io._pending = None
-        io.teardown()
+    _pending_save(io, log)
+    optimizer = _optimizer()
+    optimizer.step(lambda: log.append("forward and backward"))
+    assert log == ["forward and backward", "hand_over", "submitted"]
+    _pending_save(io, log)
+    log.clear()
+    optimizer.step(closure=lambda: log.append("forward and backward"))
+    assert log == ["forward and backward", "hand_over", "submitted"]
 
 
-def test_a_hook_registered_after_ours_still_runs_and_the_step_does_not_raise() -> None:
+def test_a_hook_registered_after_ours_still_runs_and_the_step_does_not_raise(io) -> None:
     # The hook used to remove itself inside torch's loop over the hooks: with any hook after it,
     # step() raised "OrderedDict mutated during iteration".
-    io = lc.ShardedCheckpointIO(async_save=True)
     log: list[str] = []
     later = register_optimizer_step_pre_hook(lambda *_: log.append("later hook"))
     try:
@@ -85,5 +83,3 @@ def test_a_hook_registered_after_ours_still_runs_and_the_step_does_not_raise() -
         assert log == ["hand_over", "submitted", "later hook"]
     finally:
         later.remove()
-        io._pending = None
-        io.teardown()
