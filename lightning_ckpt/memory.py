@@ -394,12 +394,12 @@ class MemoryReleaser:
         amount, threshold = f"{left / MB:.0f} MB", f"{self.threshold / MB:g} MB"
         if left > 0 and left >= self.threshold:
             return False, f"the save left {amount} of freed heap, threshold {threshold}"
-        if host_under_pressure():
-            # Any free heap, whoever left it: an earlier save's whose growth a large concurrent free
-            # hid, say (trimming free chunks that are no longer resident costs little).
-            free = heap_free_bytes() or 0
-            if free >= PRESSURE_MIN_BYTES:
-                return False, f"host memory is short; the heap holds {free / MB:.0f} MB free, this save left {amount}"
+        # Short of memory: any free heap, whoever left it (an earlier save whose growth a large
+        # concurrent free hid, say; trimming chunks that are no longer resident costs little).
+        # The free heap first: one call, where the pressure check reads several files.
+        free = heap_free_bytes() or 0
+        if free >= PRESSURE_MIN_BYTES and host_under_pressure():
+            return False, f"host memory is short; the heap holds {free / MB:.0f} MB free, this save left {amount}"
         return True, f"the save left {amount} of freed heap, below the {threshold} threshold"
 
     def start_pending(self) -> None:
