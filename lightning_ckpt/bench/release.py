@@ -178,9 +178,21 @@ def render_table(report: dict[str, Any]) -> Any:
     return table
 
 
+def _size(text: str) -> int:
+    """``--size``: a byte count, or a parser error naming the option."""
+    from lightning_ckpt.plan import parse_size
+
+    try:
+        return parse_size(text, "--size")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lightning_ckpt bench --mode release", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", default=DEFAULT_SIZE, help=f"state saved per save, both scenarios (default {DEFAULT_SIZE})")
+    parser.add_argument(
+        "--size", type=_size, default=DEFAULT_SIZE, help=f"state saved per save, both scenarios (default {DEFAULT_SIZE})"
+    )
     parser.add_argument(
         "--tensor-kb", type=int, default=DEFAULT_TENSOR_KB,
         help=f"sync_big_dict: size of each host copy, KB (default {DEFAULT_TENSOR_KB}: below glibc's mmap threshold)",
@@ -201,14 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the release benchmark; print a table (and the JSON with ``--json``). Returns 0, 1 if a run failed."""
     from lightning_ckpt.memory import DEFAULT_RELEASE_THRESHOLD_MB
-    from lightning_ckpt.plan import parse_size
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        size_bytes = parse_size(args.size, "--size")
-    except ValueError as err:
-        parser.error(str(err))
+    size_bytes = args.size  # bytes (``_size``)
     for option in ("saves", "repeats", "tensor_kb"):
         if getattr(args, option) < 1:
             parser.error(f"--{option.replace('_', '-')} must be at least 1")
@@ -268,7 +276,6 @@ def main(argv: list[str] | None = None) -> int:
         **report_header(argv, started),
         "settings": {
             "mode": "release",
-            "size": args.size,
             "size_bytes": size_bytes,
             "tensor_kb": args.tensor_kb,
             "saves": args.saves,
