@@ -126,8 +126,9 @@ def test_memory_is_released_after_a_large_synchronous_save(tmp_path):
 
 class _HostCopies(TinyRegressor):
     """Each save builds 150 MB of host copies in 100 KB tensors (as a GPU model's state taken to the
-    host would be) and keeps a small object beside each: the copies, freed after the save, stay as
-    free heap glibc cannot return from the top."""
+    host would be) and keeps a block of the same size alive after every third (as a training
+    process allocates during a save): the copies, freed after the save, stay as free heap glibc
+    cannot return from the top."""
 
     def __init__(self):
         super().__init__()
@@ -137,7 +138,8 @@ class _HostCopies(TinyRegressor):
         copies = {}
         for i in range(1500):
             copies[f"copy.{i}"] = torch.ones(25_000)
-            self.kept.append(bytearray(1_000))
+            if i % 3 == 2:
+                self.kept.append(bytearray(100_000))
         checkpoint["host_copies"] = copies
 
 

@@ -82,13 +82,12 @@ def trimmed_heap():
 
 
 def _leave_freed_heap(nbytes: int, keep: list[bytearray]) -> None:
-    """Allocate ``nbytes`` in 100 KB heap blocks (below glibc's mmap threshold), each followed by
-    a small block that stays alive, then free the big ones: free heap glibc cannot give back from
-    the top, as a save's host copies leave it."""
+    """Free ``nbytes`` of 100 KB heap blocks (below glibc's mmap threshold) with a block kept alive
+    after every third: free heap glibc cannot give back from the top, as a save's host copies
+    leave it. (Small kept objects would not do: they may land in older holes of the heap.)"""
     blocks = []
-    for _ in range(nbytes // 100_000):
-        blocks.append(bytearray(100_000))  # zero-filled: resident
-        keep.append(bytearray(1_000))  # above pymalloc's 512 bytes: from the same glibc heap
+    for i in range(nbytes // 100_000 * 4 // 3):
+        (keep if i % 4 == 3 else blocks).append(bytearray(100_000))  # zero-filled: resident
     del blocks
 
 
