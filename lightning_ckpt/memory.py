@@ -351,8 +351,8 @@ class MemoryReleaser:
         self._waited = 0.0  # seconds :meth:`before_save` waited, reported with that save
 
     def before_save(self) -> None:
-        """Wait for a trim still running (trims take milliseconds per 100 MB: this waits only when
-        saves come closer together than that)."""
+        """Wait for a trim still running (tens of milliseconds per 100 MB at most: this waits only
+        when saves come closer together than that)."""
         start = time.perf_counter()
         if self._trim is not None:
             self._trim.start()  # a pending one too (a save outside a save step)
