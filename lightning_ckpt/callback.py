@@ -54,7 +54,16 @@ from typing_extensions import override
 from lightning_ckpt import manifest as fmt
 from lightning_ckpt.compile import install_load_hook, strip_compiled_prefixes
 from lightning_ckpt.io import location
-from lightning_ckpt.memory import EMPTY_CUDA_CACHE_MODES, EmptyCudaCache, MemoryStats, memory_stats, release_memory
+from lightning_ckpt.memory import (
+    DEFAULT_RELEASE_THRESHOLD_MB,
+    EmptyCudaCache,
+    HeapTrim,
+    MemoryReleaser,
+    MemoryStats,
+    SaveRelease,
+    memory_stats,
+    release_mode,
+)
 from lightning_ckpt.monitor import SaveMonitor, SaveRecord, print_summary, save_line
 from lightning_ckpt.remote import RemoteOptions, is_remote, url_key
 from lightning_ckpt.remote import listing as remote_listing
@@ -96,9 +105,14 @@ class ShardedModelCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` with the same options and the same kept checkpoints, plus:
 
     Args:
-        release_memory: after each save (after staging, for async saves) run ``gc.collect()``,
-            release the CUDA cache per ``empty_cuda_cache``, and ``malloc_trim(0)`` the host heap;
-            the memory before/after and the time spent are recorded. The async staging pool is kept.
+        release_memory: what to release after each save (after staging, for async saves).
+            ``"auto"`` (default; ``True`` too): measure the freed heap the save left behind and
+            ``malloc_trim`` it on a background thread when it is at least ``release_threshold_mb``
+            (or the host is short of memory); the CUDA cache per ``empty_cuda_cache``.
+            ``"always"``: ``gc.collect()``, the CUDA cache per ``empty_cuda_cache`` and
+            ``malloc_trim(0)`` after every save, on the training thread (the behaviour before
+            ``"auto"``). ``"never"`` (``False``): nothing. What was left, released, skipped and
+            why is recorded. The async staging pool is never released. See ``lightning_ckpt.memory``.
         empty_cuda_cache: ``"on_pressure"`` (default): empty the CUDA caching allocator's cache
             only when it retried or failed an allocation since the previous save (the cache is
             the next step's memory otherwise, and emptying it slows that step down); ``"always"``;
@@ -112,6 +126,8 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             if matplotlib is installed.
         compile_safe: save state-dict keys without ``_orig_mod.`` and let the module load keys in
             either form, so checkpoints move between compiled and uncompiled models.
+        release_threshold_mb: the freed heap (MB, 1e6 bytes) a save must leave behind for
+            ``release_memory="auto"`` to trim it.
 
     Every other argument is ``ModelCheckpoint``'s, with the same meaning; ``verbose=True`` also
     prints a line per save and a summary table at the end of fit. Metrics are logged as
@@ -135,12 +151,13 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         every_n_epochs: Optional[int] = None,
         save_on_train_epoch_end: Optional[bool] = None,
         enable_version_counter: bool = True,
-        release_memory: bool = True,
+        release_memory: Union[bool, Literal["auto", "always", "never"]] = "auto",
         empty_cuda_cache: EmptyCudaCache = "on_pressure",
         slowdown_window: int = 20,
         metrics_file: Optional[str] = "ckpt_metrics.jsonl",
         plot: bool = False,
         compile_safe: bool = True,
+        release_threshold_mb: float = DEFAULT_RELEASE_THRESHOLD_MB,
     ) -> None:
         super().__init__(
             dirpath=dirpath,
@@ -159,13 +176,14 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             save_on_train_epoch_end=save_on_train_epoch_end,
             enable_version_counter=enable_version_counter,
         )
-        if empty_cuda_cache not in EMPTY_CUDA_CACHE_MODES:
-            raise ValueError(f"`empty_cuda_cache={empty_cuda_cache!r}` must be one of {EMPTY_CUDA_CACHE_MODES}.")
+        self._releaser = MemoryReleaser(release_mode(release_memory), empty_cuda_cache, release_threshold_mb)
         if not isinstance(slowdown_window, int) or slowdown_window < 1:
             raise ValueError(f"`slowdown_window={slowdown_window!r}` must be a positive number of steps.")
-        self.release_memory = release_memory
+        self.release_memory = self._releaser.mode
         self.empty_cuda_cache = empty_cuda_cache
+        self.release_threshold_mb = release_threshold_mb
         self._memory_after_save: MemoryStats | None = None  # allocator counters at the previous save
+        self._awaiting_trim: list[tuple[HeapTrim, SaveRecord]] = []  # background trims not done yet
         self._staging_prepared = False  # once per fit (see ``_prepare_staging``)
         self._overlap = False  # inside ``_between_steps``
         self._awaiting_copy_wait: list[tuple[str, SaveRecord]] = []
@@ -365,6 +383,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
                 self._restore(self._attempts[skipped_at])
         finally:
             self._in_save_step, self._attempts, self._pending, self._skipped_at = False, [], None, None
+            self._releaser.start_pending()  # after the step's saves, off the training thread
 
     def _snapshot(self) -> _Snapshot:
         values = {name: getattr(self, name) for name in _BOOKKEEPING}
@@ -437,12 +456,14 @@ class ShardedModelCheckpoint(ModelCheckpoint):
                 return
             io = trainer.strategy.checkpoint_io
             skipped_before = getattr(io, "skipped_saves", 0)
+            self._releaser.before_save()  # no heap trim runs during a save
             before = memory_stats()
             start = time.perf_counter()
             overlap = self._overlap and getattr(io, "overlapping", None)
             with overlap() if overlap else contextlib.nullcontext():
                 _write(trainer, filepath, self.save_weights_only)
             stall = time.perf_counter() - start
+            after = memory_stats()  # with ``before``: what the save call left behind
             if trainer.is_global_zero and getattr(io, "skipped_saves", 0) != skipped_before:
                 self._skipped_at = len(self._attempts) - 1  # undone on every rank at the step's end
                 return
@@ -452,10 +473,10 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             if trainer.is_global_zero:
                 for logger in trainer.loggers:
                     logger.after_save_checkpoint(proxy(self))
-            release = release_memory(self.empty_cuda_cache, self._memory_after_save) if self.release_memory else None
+            release = self._releaser.after_save(before, after, self._memory_after_save)
             if trainer.is_global_zero:
                 self._record(trainer, filepath, stall, before, release)
-            self._memory_after_save = release.after if release is not None else memory_stats()
+            self._memory_after_save = release.after
 
     @contextmanager
     def _between_steps(self, trainer: pl.Trainer) -> Iterator[None]:
@@ -467,8 +488,8 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         finally:
             self._overlap = False
 
-    def _record(self, trainer: pl.Trainer, filepath: str, stall: float, before: Any, release: Any) -> None:
-        after = release.after if release is not None else memory_stats()
+    def _record(self, trainer: pl.Trainer, filepath: str, stall: float, before: MemoryStats, release: SaveRelease) -> None:
+        after = release.after
         io = trainer.strategy.checkpoint_io
         nbytes, durable = _written(io, filepath, stall)
         waits_copies = bool(getattr(io, "async_save", False)) and hasattr(io, "copy_wait_seconds")
@@ -479,19 +500,25 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             global_step=trainer.global_step,
             step_index=len(self._monitor.step_times),
             call_s=stall,
-            release_s=0.0 if release is None else release.seconds,
+            release_s=release.seconds,
             nbytes=nbytes,
             durable_s=durable,
             host_rss_before=before.host_rss,
             host_rss_after=after.host_rss,
             cuda_reserved_before=before.cuda_reserved,
             cuda_reserved_after=after.cuda_reserved,
-            cuda_cache_emptied=bool(release and release.cuda_cache_emptied),
+            cuda_cache_emptied=release.cuda_cache_emptied,
             copy_wait_s=None if waits_copies else 0.0,
             cuda_fragmentation=before.cuda_fragmentation,
             cuda_alloc_retries=before.cuda_alloc_retries - (previous.cuda_alloc_retries if previous else 0),
+            heap_left_bytes=release.heap_left,
+            release_skipped=release.skipped,
+            release_reason=release.reason,
+            released_bytes=release.released,
         )
         self._monitor.add(record)
+        if release.trim is not None:
+            self._awaiting_trim.append((release.trim, record))
         if durable is None:
             self._awaiting_durable.append((location(filepath), record))
         if waits_copies:  # keyed as the IO keys them: a URL as it is, a local path absolute
@@ -509,7 +536,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         closed = self._monitor.on_step_start(time.perf_counter())
         if trainer.is_global_zero:
-            for record in closed + self._newly_durable(trainer) + self._copy_waits_known(trainer):
+            for record in closed + self._newly_durable(trainer) + self._copy_waits_known(trainer) + self._trims_done():
                 self._log(trainer, record)
 
     @override
@@ -543,7 +570,8 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         io = trainer.strategy.checkpoint_io
         if self._awaiting_durable and hasattr(io, "wait"):
             io.wait()  # final durability figures
-        for record in self._monitor.finish() + self._newly_durable(trainer) + self._copy_waits_known(trainer):
+        self._releaser.wait()  # the last trim's figures (a trim takes milliseconds)
+        for record in self._monitor.finish() + self._newly_durable(trainer) + self._copy_waits_known(trainer) + self._trims_done():
             self._log(trainer, record)
         if not self._monitor.records:
             return
@@ -570,6 +598,16 @@ class ShardedModelCheckpoint(ModelCheckpoint):
                 record.nbytes, record.durable_s = result.nbytes, result.seconds
                 done.append(record)
         return done
+
+    def _trims_done(self) -> list[SaveRecord]:
+        """Records whose background heap trim finished since the last look."""
+        done, running = [], []
+        for trim, record in self._awaiting_trim:
+            (done if trim.done() else running).append((trim, record))
+        self._awaiting_trim = running
+        for trim, record in done:
+            record.released_bytes, record.background_trim_s = trim.released, trim.seconds
+        return [record for _, record in done]
 
     def _copy_waits_known(self, trainer: pl.Trainer) -> list[SaveRecord]:
         """Records whose device-copy wait became known (measured on the GPU a step after the save)."""

@@ -3,6 +3,9 @@
 A save's *stall* is every moment of training it costs, wherever it lands: the save call, the
 memory release after it, and the time the training stream later idles waiting for the save's
 device-to-host copies (``copy_wait_s``, GPU time measured with CUDA events, known a step later).
+A heap trim on a background thread (``background_trim_s``) is not part of the stall: it runs while
+training does, and what it costs the training thread (an allocation waiting on an arena lock)
+shows in the post-save step times.
 
 Step durations are the intervals between consecutive training-batch starts, so a step's duration
 includes a save made at its end. For a save at the end of step ``s``, the slowdown compares the
@@ -38,7 +41,7 @@ class SaveRecord:
     global_step: int
     step_index: int  # training steps completed when the save happened
     call_s: float  # training loop blocked by the save call
-    release_s: float  # memory release after the save
+    release_s: float  # memory release after the save, on the training thread (measurement included)
     nbytes: int | None
     durable_s: float | None  # from the save call until committed and durable
     host_rss_before: int
@@ -49,6 +52,11 @@ class SaveRecord:
     copy_wait_s: float | None = None  # training stream idle for the device copies (0: none)
     cuda_fragmentation: float = 0.0  # before the release: free bytes stranded in partly used segments
     cuda_alloc_retries: int = 0  # allocator retries (free the cache, retry) since the previous save
+    heap_left_bytes: int = 0  # freed host heap the save call left resident (``memory.heap_left``)
+    release_skipped: bool = True  # the host heap was not trimmed after this save
+    release_reason: str = ""  # why it was trimmed or skipped
+    released_bytes: int | None = None  # host memory the trim gave back (background: known once done)
+    background_trim_s: float | None = None  # ``malloc_trim`` off the training thread (None: none ran)
     pre_step_median_s: float | None = None
     post_step_median_s: float | None = None
     slowdown: float | None = None  # post / pre median step time
@@ -75,6 +83,8 @@ class SaveRecord:
             "ckpt/release_s": self.release_s,
             "ckpt/host_rss_before_gb": self.host_rss_before / 1e9,
             "ckpt/host_rss_after_gb": self.host_rss_after / 1e9,
+            "ckpt/heap_left_gb": self.heap_left_bytes / 1e9,
+            "ckpt/release_skipped": float(self.release_skipped),
         }
         if self.cuda_reserved_before:
             values["ckpt/cuda_reserved_before_gb"] = self.cuda_reserved_before / 1e9
@@ -86,6 +96,8 @@ class SaveRecord:
             "ckpt/durable_s": self.durable_s,
             "ckpt/write_gbps": self.throughput_gbps,
             "ckpt/copy_wait_s": self.copy_wait_s,
+            "ckpt/released_gb": None if self.released_bytes is None else self.released_bytes / 1e9,
+            "ckpt/background_trim_s": self.background_trim_s,
             "ckpt/post_save_slowdown": self.slowdown,
             "ckpt/post_save_worst_slowdown": self.worst_slowdown,
             "ckpt/lost_s": self.lost_s,
@@ -190,15 +202,25 @@ def save_line(record: SaveRecord) -> str:
     return (
         f"[bold]ckpt[/bold] step {record.global_step} → {os.path.basename(record.path)}: {size},"
         f" stall {_fmt(record.stall_s, ' s', 3)}, durable {_fmt(record.durable_s, ' s')},"
-        f" RSS {record.host_rss_before / 1e9:.2f} → {record.host_rss_after / 1e9:.2f} GB"
+        f" RSS {record.host_rss_before / 1e9:.2f} → {record.host_rss_after / 1e9:.2f} GB,"
+        f" heap left {record.heap_left_bytes / 1e9:.2f} GB ({_release_text(record)})"
     )
+
+
+def _release_text(record: SaveRecord) -> str:
+    """What the release did with the heap: skipped, trimming (in the background), or the bytes."""
+    if record.release_skipped:
+        return "not trimmed"
+    if record.released_bytes is None:
+        return "trimming"
+    return f"{record.released_bytes / 1e9:.2f} GB released"
 
 
 def summary_table(records: list[SaveRecord]) -> Table:
     table = Table(title="checkpoint saves")
     columns = (
         "step", "checkpoint", "GB", "stall s", "copy wait s", "durable s", "GB/s",
-        "slowdown", "worst step", "lost s", "recovery", "RSS after GB",
+        "slowdown", "worst step", "lost s", "recovery", "RSS after GB", "heap left GB", "released GB",
     )
     for column in columns:
         table.add_column(column, justify="left" if column == "checkpoint" else "right", no_wrap=True)
@@ -216,6 +238,8 @@ def summary_table(records: list[SaveRecord]) -> Table:
             _fmt(r.lost_s, digits=3),
             "-" if r.recovery_steps is None else str(r.recovery_steps),
             _fmt(r.host_rss_after / 1e9),
+            _fmt(r.heap_left_bytes / 1e9),
+            "skipped" if r.release_skipped else _fmt(None if r.released_bytes is None else r.released_bytes / 1e9),
         )
     return table
 

@@ -30,6 +30,7 @@ MODES: dict[str, tuple[str, str]] = {
     "distributed": ("distributed", "N CPU ranks (gloo): FSDP2 and DDP saves and loads against stock DCP"),
     "activations": ("activations", "activation checkpointing: peak activation memory and step time"),
     "fragmentation": ("fragmentation", "CUDA: what emptying the allocator's cache after saves does to the next steps"),
+    "release": ("release", "host memory release after saves: its cost on the training thread and what it gives back"),
     "remote": ("remote", "s3:// saves and loads against a local moto S3 server: stall, durable time, upload GB/s, memory"),
     "compression": ("compression", "zstd on trained weights and AdamW state: ratio and MB/s per component, s3:// saves with and without"),
 }

@@ -66,3 +66,26 @@ def test_shipped_example_config_runs(tmp_path):
     run = tmp_path / "demo-output" / "cli" / "lightning_logs" / "version_0"  # the CSVLogger's run folder
     assert (run / "ckpt_metrics.jsonl").exists() and "ckpt/stall_s" in (run / "metrics.csv").read_text()
     assert "ckpt" in proc.stdout and "checkpoint saves" in proc.stdout  # rich per-save lines and summary
+
+
+@pytest.mark.parametrize(("value", "mode"), [("auto", "auto"), ("true", "auto"), ("false", "never"), ("always", "always")])
+def test_release_memory_from_lightning_cli_yaml(tmp_path, value, mode):
+    """The option's ``Union[bool, Literal[...]]`` annotation parses from YAML as a bool or a mode."""
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"""
+trainer:
+  logger: false
+  callbacks:
+    - class_path: lightning_ckpt.ShardedModelCheckpoint
+      init_args:
+        dirpath: {tmp_path / "ckpts"}
+        release_memory: {value}
+        release_threshold_mb: 64
+"""
+    )
+    cli = LightningCLI(TinyRegressor, args=["--config", str(config)], run=False, save_config_callback=None)
+    (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, lc.ShardedModelCheckpoint)]
+    assert callback.release_memory == mode and callback.release_threshold_mb == 64
