@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from helpers import close_process_group  # noqa: E402
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
+from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 from torch.distributed.checkpoint.state_dict import (  # noqa: E402
     StateDictOptions,
     get_model_state_dict,
@@ -91,7 +92,7 @@ def full_state(trainer: Trainer, module: LightningModule) -> dict:
     """The whole model and optimizer state (a collective: every rank calls it)."""
     # FSDP (1) on CPU: offloading (rank 0 only) clones views of freed unsharded parameters and
     # crashes in torch; without it every rank gathers the full state, already on the CPU.
-    options = StateDictOptions(full_state_dict=True, cpu_offload=not isinstance(trainer.strategy, lc.ShardedFSDPStrategy))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not isinstance(trainer.strategy, FSDPStrategy))
     optimizer = trainer.optimizers[0]
     return {
         "model": get_model_state_dict(module, options=options),
