@@ -592,13 +592,11 @@ class ShardedModelCheckpoint(ModelCheckpoint):
 
 def _write(trainer: pl.Trainer, filepath: str, weights_only: bool) -> None:
     """``Trainer.save_checkpoint`` without its per-file barrier in multi-rank runs (see the module
-    docstring); in one process the barrier is a no-op and the Trainer's own method runs."""
-    if trainer.world_size == 1 and sharded_io(trainer.strategy) is None:
-        trainer.save_checkpoint(filepath, weights_only)
-        return
+    docstring), on any number of ranks."""
     with trainer.profiler.profile("save_checkpoint"):
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only)
-        # Sharded state (FSDP2 / tensor parallel) and DDP on one node: every rank writes its part.
+        # Sharded state (FSDP2 / tensor parallel) and DDP on one node: every rank writes its part;
+        # the full state FSDP / ModelParallelStrategy gathered: rank 0 writes it (see save_sharded).
         if not save_sharded(trainer.strategy, checkpoint, filepath):
             trainer.strategy.save_checkpoint(checkpoint, filepath)
 

@@ -43,3 +43,12 @@ def test_stock_strategy_resumes_bit_identical_and_reshards_to_one_rank(tmp_path,
     checkpoint, full = folder / "epoch=0-step=4.ckpt", tmp_path / "full-epoch0.pt"
     resharded = run_script("distributed/stock_fit.py", "reshard", strategy, "1", str(checkpoint), str(full), tmp_path=tmp_path)
     assert resharded == {"world_size": 1, "restored_equals_saved": True}
+
+
+def test_full_state_saves_in_one_process_replace_last_and_resume_bit_identical(tmp_path):
+    # One process saves through the same path (the stock save_checkpoint refused last.ckpt's
+    # second save: an existing directory at the path).
+    result = run_script("distributed/stock_fit.py", "fit", "fsdp2-full", "1", tmp_path=tmp_path)
+    assert result["world_size"] == 1 and result["strategy"] == "ModelParallelStrategy"
+    assert result["checkpoints"] == ["epoch=0-step=8.ckpt", "epoch=1-step=16.ckpt", "last.ckpt"]
+    assert result["losses_equal"] and result["resumed_equals_uninterrupted"]
