@@ -35,16 +35,12 @@ from lightning_ckpt.remote import is_remote
 
 def sharded_io(strategy: Strategy) -> Any:
     """The strategy's ``ShardedCheckpointIO`` if its saves should be written by every rank, else ``None``."""
-    from lightning_ckpt.io import ShardedCheckpointIO
-
-    io = strategy.checkpoint_io
-    if not isinstance(io, ShardedCheckpointIO):
+    io = _our_io(strategy)
+    if io is None:
         return None
-    # Sharded state, on any number of ranks (one included: the stock path would write DCP files).
-    if isinstance(strategy, ModelParallelStrategy):
-        return io if strategy._save_distributed_checkpoint else None
-    if isinstance(strategy, FSDPStrategy):
-        return io if strategy._state_dict_type == "sharded" else None
+    sharded = _sharded_state(strategy)
+    if sharded is not None:  # on any number of ranks (one included: the stock path would write DCP files)
+        return io if sharded else None
     if isinstance(strategy, DDPStrategy) and strategy.world_size > 1:
         spread = io.spread_writes
         if spread is None:  # automatic: every rank sees the folder rank 0 sees only on one node
@@ -76,16 +72,25 @@ def save_sharded(strategy: Strategy, checkpoint: dict[str, Any], filepath: _PATH
 def _full_state_io(strategy: Strategy) -> Any:
     """The strategy's ``ShardedCheckpointIO`` if it is a ``ModelParallelStrategy`` /
     ``FSDPStrategy`` whose checkpoint holds full state gathered on rank 0, else ``None``."""
+    io = _our_io(strategy)
+    return io if io is not None and _sharded_state(strategy) is False else None
+
+
+def _sharded_state(strategy: Strategy) -> Optional[bool]:
+    """Does a ``ModelParallelStrategy`` / ``FSDPStrategy`` checkpoint sharded state (every rank its
+    part) or the full state gathered on rank 0? ``None`` for any other strategy."""
+    if isinstance(strategy, ModelParallelStrategy):
+        return strategy._save_distributed_checkpoint
+    if isinstance(strategy, FSDPStrategy):
+        return strategy._state_dict_type == "sharded"
+    return None
+
+
+def _our_io(strategy: Strategy) -> Any:
     from lightning_ckpt.io import ShardedCheckpointIO
 
     io = strategy.checkpoint_io
-    if not isinstance(io, ShardedCheckpointIO):
-        return None
-    if isinstance(strategy, ModelParallelStrategy):
-        return None if strategy._save_distributed_checkpoint else io
-    if isinstance(strategy, FSDPStrategy):
-        return io if strategy._state_dict_type == "full" else None
-    return None
+    return io if isinstance(io, ShardedCheckpointIO) else None
 
 
 def is_lightning_ckpt(path: _PATH) -> bool:
