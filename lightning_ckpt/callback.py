@@ -591,8 +591,8 @@ class ShardedModelCheckpoint(ModelCheckpoint):
 
 
 def _write(trainer: pl.Trainer, filepath: str, weights_only: bool) -> None:
-    """``Trainer.save_checkpoint`` without its per-file barrier in multi-rank runs (see the module
-    docstring), on any number of ranks."""
+    """``Trainer.save_checkpoint`` on any number of ranks, without its per-file barrier (see the
+    module docstring; in one process it is a no-op)."""
     with trainer.profiler.profile("save_checkpoint"):
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only)
         # Sharded state (FSDP2 / tensor parallel) and DDP on one node: every rank writes its part;
