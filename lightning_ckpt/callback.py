@@ -67,7 +67,7 @@ from lightning_ckpt.memory import (
 from lightning_ckpt.monitor import SaveMonitor, SaveRecord, print_summary, save_line
 from lightning_ckpt.remote import RemoteOptions, is_remote, url_key
 from lightning_ckpt.remote import listing as remote_listing
-from lightning_ckpt.strategies import is_lightning_ckpt, save_sharded, sharded_io
+from lightning_ckpt.strategies import enable_sharded_resume, save_sharded, sharded_io
 from lightning_ckpt.writer import TempDir, commit
 
 # Checkpoint paths known to exist, per folder (see the module docstring); shared by instances
@@ -221,6 +221,9 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         io = sharded_io(trainer.strategy)
         if io is not None:
             io.use_part_token(token)
+        # Before the strategy restores (Trainer._run: callbacks' setup, then strategy.setup, then the
+        # restore): a stock ModelParallelStrategy / FSDPStrategy resumes from our checkpoints.
+        enable_sharded_resume(trainer.strategy)
         self._staging_prepared = False
         # One record per folder, shared by every checkpoint callback saving there (as the
         # filesystem would be).
@@ -556,7 +559,6 @@ class ShardedModelCheckpoint(ModelCheckpoint):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         _explain_directory_error(exception)
-        _explain_sharded_resume_error(exception)
         # No collective: the exception may have been raised on this rank alone.
         with self._save_step(trainer, collective=False):
             super().on_exception(trainer, pl_module, exception)
@@ -627,14 +629,12 @@ class ShardedModelCheckpoint(ModelCheckpoint):
 
 
 def _write(trainer: pl.Trainer, filepath: str, weights_only: bool) -> None:
-    """``Trainer.save_checkpoint`` without its per-file barrier in multi-rank runs (see the module
-    docstring); in one process the barrier is a no-op and the Trainer's own method runs."""
-    if trainer.world_size == 1 and sharded_io(trainer.strategy) is None:
-        trainer.save_checkpoint(filepath, weights_only)
-        return
+    """``Trainer.save_checkpoint`` on any number of ranks, without its per-file barrier (see the
+    module docstring; in one process it is a no-op)."""
     with trainer.profiler.profile("save_checkpoint"):
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only)
-        # Sharded state (FSDP2 / tensor parallel) and DDP on one node: every rank writes its part.
+        # Sharded state (FSDP2 / tensor parallel) and DDP on one node: every rank writes its part;
+        # the full state FSDP / ModelParallelStrategy gathered: rank 0 writes it (see save_sharded).
         if not save_sharded(trainer.strategy, checkpoint, filepath):
             trainer.strategy.save_checkpoint(checkpoint, filepath)
 
@@ -710,21 +710,6 @@ def _listing(dirpath: _PATH | None, depth: int, checkpoint_io: Any = None) -> li
                     below.append(entry.path)
         folders = below
     return sorted(found)
-
-
-def _explain_sharded_resume_error(exception: BaseException) -> None:
-    """``ModelParallelStrategy`` given one of our sharded checkpoints says only that it is not a
-    valid checkpoint: say which strategy reads it."""
-    message = str(exception)
-    if not isinstance(exception, ValueError) or "does not point to a valid checkpoint" not in message:
-        return
-    path = message.split("'")[1] if message.count("'") >= 2 else ""
-    if path and is_lightning_ckpt(path):
-        exception.args = (
-            f"{message} It is a lightning_ckpt checkpoint: `ModelParallelStrategy` never asks the CheckpointIO to"
-            " load. Resume with `strategy=lightning_ckpt.ShardedModelParallelStrategy(...)` (same arguments), or"
-            " read it in one process with `lightning_ckpt.load_checkpoint(path)`.",
-        )
 
 
 def _explain_directory_error(exception: BaseException) -> None:

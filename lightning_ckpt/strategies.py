@@ -5,14 +5,21 @@ strategy's state is sharded (``ModelParallelStrategy`` with ``save_distributed_c
 ``FSDPStrategy(state_dict_type="sharded")``) or replicated on ranks of one node (DDP).
 ``ShardedModelCheckpoint`` routes its saves here, so the stock strategies save in our format.
 
-Loading a sharded checkpoint back into FSDP2 / tensor-parallel modules is the one thing a stock
-strategy cannot be told to do: ``ModelParallelStrategy.load_checkpoint`` never consults the
-``CheckpointIO`` (it recognises only DCP folders and single files). ``ShardedModelParallelStrategy``
-is ``ModelParallelStrategy`` with the same arguments, whose ``save_checkpoint`` and
-``load_checkpoint`` use the plugin.
+Loading one of our checkpoints back into FSDP / tensor-parallel modules is what the stock
+strategies cannot be told to do through the ``CheckpointIO``: their ``load_checkpoint`` never
+consults it (it recognises only DCP folders and single files). Two ways in, one loader
+(:func:`load_in_place`):
+
+* ``ShardedModelCheckpoint.setup`` calls :func:`enable_sharded_resume` on the trainer's strategy
+  (callbacks' ``setup`` runs before the strategy restores), so a stock ``ModelParallelStrategy`` or
+  ``FSDPStrategy``, or a user's subclass of either, resumes from our checkpoints as it is;
+* ``ShardedModelParallelStrategy`` / ``ShardedFSDPStrategy`` do the same by subclassing, for
+  runs without the callback, and also hand the plugin the state where it lives (no copy into
+  host memory in ``dump_checkpoint``).
 """
 
 import os
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -28,16 +35,12 @@ from lightning_ckpt.remote import is_remote
 
 def sharded_io(strategy: Strategy) -> Any:
     """The strategy's ``ShardedCheckpointIO`` if its saves should be written by every rank, else ``None``."""
-    from lightning_ckpt.io import ShardedCheckpointIO
-
-    io = strategy.checkpoint_io
-    if not isinstance(io, ShardedCheckpointIO):
+    io = _our_io(strategy)
+    if io is None:
         return None
-    # Sharded state, on any number of ranks (one included: the stock path would write DCP files).
-    if isinstance(strategy, ModelParallelStrategy):
-        return io if strategy._save_distributed_checkpoint else None
-    if isinstance(strategy, FSDPStrategy):
-        return io if strategy._state_dict_type == "sharded" else None
+    sharded = _sharded_state(strategy)
+    if sharded is not None:  # on any number of ranks (one included: the stock path would write DCP files)
+        return io if sharded else None
     if isinstance(strategy, DDPStrategy) and strategy.world_size > 1:
         spread = io.spread_writes
         if spread is None:  # automatic: every rank sees the folder rank 0 sees only on one node
@@ -47,23 +50,87 @@ def sharded_io(strategy: Strategy) -> Any:
 
 
 def save_sharded(strategy: Strategy, checkpoint: dict[str, Any], filepath: _PATH) -> bool:
-    """Save ``checkpoint`` from every rank if the strategy allows it (see :func:`sharded_io`)."""
+    """Save ``checkpoint`` from every rank if the strategy allows it (see :func:`sharded_io`), or
+    from rank 0 alone if it gathered the full state for rank 0 to write; ``False``: not saved, the
+    strategy's own ``save_checkpoint`` is the way. Every rank calls it."""
     io = sharded_io(strategy)
     if io is None:
-        return False
+        io = _full_state_io(strategy)
+        if io is None:
+            return False
+        # What the stock ``save_checkpoint`` does in this mode, without its refusal of an existing
+        # directory at ``filepath`` (ours are directories, replaced atomically: ``last.ckpt``).
+        if strategy.is_global_zero:
+            io.save_checkpoint(checkpoint, filepath)
+        return True
     if isinstance(strategy, DDPStrategy) and io.spread_writes is None and is_remote(filepath) and io.remote.local_dir is None:
         return False  # spreading needs a folder all ranks share; without a local tier rank 0 uploads alone
     io.save_sharded(checkpoint, filepath, strategy.global_rank, strategy.world_size, strategy.broadcast)
     return True
 
 
+def _full_state_io(strategy: Strategy) -> Any:
+    """The strategy's ``ShardedCheckpointIO`` if it is a ``ModelParallelStrategy`` /
+    ``FSDPStrategy`` whose checkpoint holds full state gathered on rank 0, else ``None``."""
+    io = _our_io(strategy)
+    return io if io is not None and _sharded_state(strategy) is False else None
+
+
+def _sharded_state(strategy: Strategy) -> Optional[bool]:
+    """Does a ``ModelParallelStrategy`` / ``FSDPStrategy`` checkpoint sharded state (every rank its
+    part) or the full state gathered on rank 0? ``None`` for any other strategy."""
+    if isinstance(strategy, ModelParallelStrategy):
+        return strategy._save_distributed_checkpoint
+    if isinstance(strategy, FSDPStrategy):
+        return strategy._state_dict_type == "sharded"
+    return None
+
+
+def _our_io(strategy: Strategy) -> Any:
+    from lightning_ckpt.io import ShardedCheckpointIO
+
+    io = strategy.checkpoint_io
+    return io if isinstance(io, ShardedCheckpointIO) else None
+
+
 def is_lightning_ckpt(path: _PATH) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), fmt.MANIFEST_FILE))
 
 
+def enable_sharded_resume(strategy: Strategy) -> bool:
+    """Let this ``ModelParallelStrategy`` / ``FSDPStrategy`` instance resume from our checkpoints;
+    ``False`` for any other strategy (their loads already go through the ``CheckpointIO``).
+
+    Invariant: only the instance's ``load_checkpoint`` changes, and only for our checkpoints. The
+    class (a user's subclass included) keeps every method; its own ``load_checkpoint`` still loads
+    every other checkpoint, and saves are untouched. Idempotent, and a no-op on the ``Sharded*``
+    subclasses, which resume this way already. Call it before the strategy restores (a callback's
+    ``setup``).
+    """
+    if isinstance(strategy, _ShardedResume) or not isinstance(strategy, (ModelParallelStrategy, FSDPStrategy)):
+        return False
+    if not isinstance(strategy.__dict__.get("load_checkpoint"), _LoadOursFirst):
+        # An instance attribute shadows the class's method; ``strategy.load_checkpoint`` read
+        # before it is the class's bound method: Lightning's, or the subclass's override.
+        strategy.load_checkpoint = _LoadOursFirst(strategy, strategy.load_checkpoint)  # type: ignore[method-assign]
+    return True
+
+
+class _LoadOursFirst:
+    """A stock strategy instance's ``load_checkpoint`` (see :func:`enable_sharded_resume`)."""
+
+    def __init__(self, strategy: Strategy, stock: Callable[..., dict[str, Any]]) -> None:
+        self.strategy = strategy
+        self.stock = stock
+
+    def __call__(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return load_in_place(self.strategy, checkpoint_path, weights_only, self.stock)
+
+
 class _ShardedResume(Strategy):
     """Save through the plugin from every rank; resume from our checkpoints by loading in place
-    into the live sharded model and optimizers (resharding onto the current mesh).
+    into the live sharded model and optimizers (resharding onto the current mesh, see
+    :func:`load_in_place`).
 
     The state handed to the plugin stays where it lives (no ``cpu_offload``): the plugin copies
     device memory itself, into its reused staging pool (async) or its bounded buffers (sync),
@@ -98,92 +165,131 @@ class _ShardedResume(Strategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        from lightning_ckpt.io import ShardedCheckpointIO
+        return load_in_place(self, checkpoint_path, weights_only, super().load_checkpoint)
 
-        if isinstance(self.checkpoint_io, ShardedCheckpointIO) and is_remote(checkpoint_path):
-            return self._load_ours(self._local_copy(self.checkpoint_io, os.fspath(checkpoint_path)), weights_only)
-        if not is_lightning_ckpt(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        return self._load_ours(checkpoint_path, weights_only)
 
-    def _local_copy(self, io: Any, url: str) -> str:
-        """The local tier's copy of the checkpoint at ``url``: rank 0 brings it there (or finds it
-        current), every rank then reads its shards from that one folder.
+def load_in_place(
+    strategy: Strategy, checkpoint_path: _PATH, weights_only: Optional[bool], stock: Callable[..., dict[str, Any]]
+) -> dict[str, Any]:
+    """``strategy.load_checkpoint``: ours loaded in place into the live (sharded) model and
+    optimizers, resharding onto the current mesh; any other checkpoint through ``stock`` (the
+    strategy's own ``load_checkpoint``). Every rank calls it, as Lightning calls ``load_checkpoint``."""
+    from lightning_ckpt.io import ShardedCheckpointIO
 
-        The tier must be a folder every rank shares, as for sharded saves to a URL: one download,
-        and every rank provably reads the same checkpoint (a copy per node could differ: a node's
-        tier may hold a newer save whose upload never finished). A collective (an all-reduce of
-        success, so a failed download raises on every rank instead of leaving the others
-        waiting); every rank calls it, as Lightning calls ``load_checkpoint``.
-        """
-        from lightning_ckpt import remote
+    io = strategy.checkpoint_io
+    if isinstance(io, ShardedCheckpointIO) and is_remote(checkpoint_path):
+        return _load_ours(strategy, _local_copy(strategy, io, os.fspath(checkpoint_path)), weights_only)
+    if not is_lightning_ckpt(checkpoint_path):
+        return stock(checkpoint_path, weights_only)
+    return _load_ours(strategy, checkpoint_path, weights_only)
 
-        options = io.remote
-        if options.local_dir is None:  # the same answer on every rank: nothing collective has started
-            raise ValueError(
-                f"Resuming {type(self).__name__} from {url} needs `ShardedCheckpointIO(local_dir=...)` on a folder every"
-                " rank shares (as saving to a URL does): rank 0 downloads the checkpoint there and every rank reads its"
-                " shards from it. HINT: set `local_dir` (the same one the saves use), or download first with"
-                " `python -m lightning_ckpt convert URL ./local.ckpt` and resume from the local copy."
-            )
-        io.wait()  # never read a checkpoint this run is still writing or uploading
-        io.keep_loaded(url)
-        error: Optional[BaseException] = None
-        if self.global_rank == 0:
-            try:
-                remote.local_copy_for_load(url, options)
-            except Exception as err:  # raised below, after every rank knows
-                error = err
-        rank0_ok = self.reduce_boolean_decision(error is None, all=True)
-        if error is not None:
-            raise error
-        if not rank0_ok:
-            raise CheckpointError(f"Resuming from {url}: rank 0 could not bring the checkpoint into `local_dir`; its error is in rank 0's output.")
-        local = options.local_path(url)
-        if not self.reduce_boolean_decision(is_lightning_ckpt(local), all=True):
-            raise CheckpointError(
-                f"Resuming from {url}: not every rank sees the copy rank 0 brought into `local_dir` ({local})."
-                " HINT: `local_dir` must be a folder every rank shares (the same path on a shared filesystem), as"
-                " for saving to a URL from several ranks."
-            )
-        return local
 
-    def _load_ours(self, checkpoint_path: _PATH, weights_only: Optional[bool]) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
+def _local_copy(strategy: Strategy, io: Any, url: str) -> str:
+    """The local tier's copy of the checkpoint at ``url``: rank 0 brings it there (or finds it
+    current), every rank then reads its shards from that one folder.
+
+    The tier must be a folder every rank shares, as for sharded saves to a URL: one download,
+    and every rank provably reads the same checkpoint (a copy per node could differ: a node's
+    tier may hold a newer save whose upload never finished). A collective (an all-reduce of
+    success, so a failed download raises on every rank instead of leaving the others
+    waiting); every rank calls it, as Lightning calls ``load_checkpoint``.
+    """
+    from lightning_ckpt import remote
+
+    options = io.remote
+    if options.local_dir is None:  # the same answer on every rank: nothing collective has started
+        raise ValueError(
+            f"Resuming {type(strategy).__name__} from {url} needs `ShardedCheckpointIO(local_dir=...)` on a folder every"
+            " rank shares (as saving to a URL does): rank 0 downloads the checkpoint there and every rank reads its"
+            " shards from it. HINT: set `local_dir` (the same one the saves use), or download first with"
+            " `python -m lightning_ckpt convert URL ./local.ckpt` and resume from the local copy."
         )
+    io.wait()  # never read a checkpoint this run is still writing or uploading
+    io.keep_loaded(url)
+    error: Optional[BaseException] = None
+    if strategy.global_rank == 0:
+        try:
+            remote.local_copy_for_load(url, options)
+        except Exception as err:  # raised below, after every rank knows
+            error = err
+    rank0_ok = strategy.reduce_boolean_decision(error is None, all=True)
+    if error is not None:
+        raise error
+    if not rank0_ok:
+        raise CheckpointError(f"Resuming from {url}: rank 0 could not bring the checkpoint into `local_dir`; its error is in rank 0's output.")
+    local = options.local_path(url)
+    if not strategy.reduce_boolean_decision(is_lightning_ckpt(local), all=True):
+        raise CheckpointError(
+            f"Resuming from {url}: not every rank sees the copy rank 0 brought into `local_dir` ({local})."
+            " HINT: `local_dir` must be a folder every rank shares (the same path on a shared filesystem), as"
+            " for saving to a URL from several ranks."
+        )
+    return local
 
-        from lightning_ckpt.distributed import load_sharded
 
-        assert self.model is not None and self.lightning_module is not None
-        if getattr(self.checkpoint_io, "async_save", False):
-            self.checkpoint_io.wait()  # never read a checkpoint this run is still writing
-        strict = self.lightning_module.strict_loading
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
-        targets: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
-        if optimizers:
-            targets["optimizer_states"] = [get_optimizer_state_dict(self.model, o) for o in optimizers]
-        verify = getattr(self.checkpoint_io, "verify_on_load", "full") == "full"
-        # Not fitting (validate, test, predict): the optimizer states are neither read nor assembled.
-        skip = () if fitting else ("optimizer_states",)
-        checkpoint = load_sharded(checkpoint_path, targets, strict=strict, weights_only=weights_only, verify=verify, skip=skip)
-        # Through DCP, as the targets came: FSDP (1) modules load sharded values only inside its
-        # sharded state-dict context (a plain ``load_state_dict`` expects full tensors).
-        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=StateDictOptions(strict=strict))
-        saved = checkpoint.pop("optimizer_states", [])
-        if optimizers and len(saved) != len(optimizers):
-            raise ValueError(
-                f"{checkpoint_path}: the checkpoint holds {len(saved)} optimizer state(s), the model configures"
-                f" {len(optimizers)}. Resume with the same `configure_optimizers`."
-            )
-        for optimizer, state in zip(optimizers, saved):
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state, options=StateDictOptions(strict=strict))
-        return checkpoint
+def _load_ours(strategy: Strategy, checkpoint_path: _PATH, weights_only: Optional[bool]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from lightning_ckpt.distributed import load_sharded
+
+    model, module = strategy.model, strategy.lightning_module
+    assert model is not None and module is not None
+    io = strategy.checkpoint_io
+    if getattr(io, "async_save", False):
+        io.wait()  # never read a checkpoint this run is still writing
+    strict = module.strict_loading
+    fitting = module.trainer.state.fn == TrainerFn.FITTING
+    optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers] if fitting else []
+    targets: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
+    by_index = bool(optimizers) and _optimizer_states_by_index(checkpoint_path)
+    if optimizers:
+        # The same tensors as the live state, keyed as the checkpoint keys them.
+        states = [get_optimizer_state_dict(model, o) for o in optimizers]
+        targets["optimizer_states"] = [_rekey(s, model, by_name=False) for s in states] if by_index else states
+    verify = getattr(io, "verify_on_load", "full") == "full"
+    # Not fitting (validate, test, predict): the optimizer states are neither read nor assembled.
+    skip = () if fitting else ("optimizer_states",)
+    checkpoint = load_sharded(checkpoint_path, targets, strict=strict, weights_only=weights_only, verify=verify, skip=skip)
+    # Through DCP, as the targets came: FSDP (1) modules load sharded values only inside its
+    # sharded state-dict context (a plain ``load_state_dict`` expects full tensors).
+    set_model_state_dict(model, checkpoint.pop("state_dict"), options=StateDictOptions(strict=strict))
+    saved = checkpoint.pop("optimizer_states", [])
+    if optimizers and len(saved) != len(optimizers):
+        raise ValueError(
+            f"{checkpoint_path}: the checkpoint holds {len(saved)} optimizer state(s), the model configures"
+            f" {len(optimizers)}. Resume with the same `configure_optimizers`."
+        )
+    for optimizer, state in zip(optimizers, saved):
+        state = _rekey(state, model, by_name=True) if by_index else state
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(strict=strict))
+    return checkpoint
+
+
+def _optimizer_states_by_index(checkpoint_path: _PATH) -> bool:
+    """Does the checkpoint key its optimizer states by parameter index? Lightning's full-state saves
+    (``FSDPStrategy(state_dict_type="full")``, ``ModelParallelStrategy(save_distributed_checkpoint=False)``)
+    do: rank 0 alone writes whole tensors, its optimizer state re-keyed to the parameters' positions."""
+    from lightning_ckpt.reader import read_manifest
+
+    return any(
+        len(record.path) > 3 and record.path[0] == "optimizer_states" and record.path[2] == "state" and type(record.path[3]) is int
+        for record in read_manifest(checkpoint_path).tensors
+    )
+
+
+def _rekey(state: dict[str, Any], model: torch.nn.Module, by_name: bool) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name <-> by position, as Lightning re-keys full-state
+    saves (the same per-parameter dicts: loading into one loads into the other)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+    key_type = OptimStateKeyType.PARAM_NAME if by_name else OptimStateKeyType.PARAM_ID
+    return FullyShardedDataParallel.rekey_optim_state_dict(state, key_type, model)
 
 
 class ShardedModelParallelStrategy(_ShardedResume, ModelParallelStrategy):
@@ -193,6 +299,9 @@ class ShardedModelParallelStrategy(_ShardedResume, ModelParallelStrategy):
 
         Trainer(strategy=ShardedModelParallelStrategy(data_parallel_size=2),
                 plugins=[ShardedCheckpointIO()], callbacks=[ShardedModelCheckpoint(...)])
+
+    With ``ShardedModelCheckpoint`` among the callbacks the stock strategy resumes as well; this
+    class is for runs without it, and saves without Lightning's copy of the state into host memory.
 
     Stock DCP folders and single-file checkpoints still load as ``ModelParallelStrategy`` loads them.
     """

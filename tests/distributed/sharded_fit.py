@@ -3,7 +3,7 @@
 ``sharded_fit.py REPORT fit N``: on N CPU ranks (gloo), FSDP2 under ``ShardedModelParallelStrategy``,
 fits 2 epochs saving every epoch through ``ShardedModelCheckpoint``, with the full (gathered)
 model and optimizer state at each save written to ``full-epoch<E>.pt``; then resumes from the
-epoch-0 checkpoint to 2 epochs. Reports whether the resumed run ended bit-identical.
+epoch-0 checkpoint to 2 epochs. Reports whether the resumed run's losses and final state are bit-identical.
 
 ``sharded_fit.py REPORT reshard N CKPT FULL``: on N ranks, resumes from ``CKPT`` and compares the
 full state right after the restore with ``FULL`` (the state gathered when CKPT was saved).
@@ -23,12 +23,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from helpers import close_process_group  # noqa: E402
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything  # noqa: E402
+from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 from torch.distributed.checkpoint.state_dict import (  # noqa: E402
     StateDictOptions,
     get_model_state_dict,
@@ -91,7 +93,7 @@ def full_state(trainer: Trainer, module: LightningModule) -> dict:
     """The whole model and optimizer state (a collective: every rank calls it)."""
     # FSDP (1) on CPU: offloading (rank 0 only) clones views of freed unsharded parameters and
     # crashes in torch; without it every rank gathers the full state, already on the CPU.
-    options = StateDictOptions(full_state_dict=True, cpu_offload=not isinstance(trainer.strategy, lc.ShardedFSDPStrategy))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not isinstance(trainer.strategy, FSDPStrategy))
     optimizer = trainer.optimizers[0]
     return {
         "model": get_model_state_dict(module, options=options),
@@ -151,18 +153,31 @@ def states_equal(a: dict, b: dict) -> bool:
     return a == b
 
 
-def fit(report: str, devices: int, fsdp1: bool = False) -> None:
+class Losses(Callback):
+    """Every training step's loss on this rank, by global step."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.by_step[trainer.global_step] = outputs["loss"].item()
+
+
+def fit_and_resume(report: str, ckpts: str, net: type, make_trainer: Callable[[list, int], Trainer]) -> None:
+    """Fit 2 epochs saving every epoch (and ``last``) into ``ckpts``, the full state at each save in
+    ``full-epoch<E>.pt``; resume from the epoch-0 checkpoint to 2 epochs; report whether the resumed
+    run's losses and final state are bit-identical to the uninterrupted run's."""
     folder = os.path.dirname(report)
-    ckpts = os.path.join(folder, f"ckpts-{devices}")
-    net = FSDP1Net if fsdp1 else ShardedNet
     seed_everything(0)
+    first_losses = Losses()
     checkpoint = lc.ShardedModelCheckpoint(dirpath=ckpts, save_top_k=-1, every_n_epochs=1, save_last=True)
-    first = trainer(devices, [Capture(folder), checkpoint], 2, fsdp1=fsdp1)
+    first = make_trainer([Capture(folder), checkpoint, first_losses], 2)
     first.fit(net())
     final = full_state(first, first.lightning_module)
     epoch0 = os.path.join(ckpts, sorted(n for n in os.listdir(ckpts) if n.startswith("epoch=0"))[0])
     seed_everything(0)
-    resumed = trainer(devices, [lc.ShardedModelCheckpoint(dirpath=ckpts + "-resumed", save_top_k=-1)], 2, fsdp1=fsdp1)
+    resumed_losses = Losses()
+    resumed = make_trainer([lc.ShardedModelCheckpoint(dirpath=ckpts + "-resumed", save_top_k=-1), resumed_losses], 2)
     resumed.fit(net(), ckpt_path=epoch0)
     after = full_state(resumed, resumed.lightning_module)
     if first.is_global_zero:
@@ -170,12 +185,21 @@ def fit(report: str, devices: int, fsdp1: bool = False) -> None:
             json.dump(
                 {
                     "world_size": first.world_size,
+                    "strategy": type(resumed.strategy).__name__,
                     "checkpoints": sorted(os.listdir(ckpts)),
+                    "resumed_steps": sorted(resumed_losses.by_step),
+                    "losses_equal": resumed_losses.by_step == {s: first_losses.by_step[s] for s in resumed_losses.by_step},
                     "resumed_equals_uninterrupted": states_equal(final, after),
                     "global_step": resumed.global_step,
                 },
                 f,
             )
+
+
+def fit(report: str, devices: int, fsdp1: bool = False) -> None:
+    ckpts = os.path.join(os.path.dirname(report), f"ckpts-{devices}")
+    net = FSDP1Net if fsdp1 else ShardedNet
+    fit_and_resume(report, ckpts, net, lambda callbacks, epochs: trainer(devices, callbacks, epochs, fsdp1=fsdp1))
 
 
 def s3(report: str, devices: int, url: str) -> None:

@@ -45,7 +45,7 @@ def test_two_ranks_every_rank_writes_and_resume_is_bit_identical(tmp_path, mode)
     result = run_script("distributed/sharded_fit.py", mode, "2", tmp_path=tmp_path)
     assert result["world_size"] == 2 and result["global_step"] == 8
     assert result["checkpoints"] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
-    assert result["resumed_equals_uninterrupted"]
+    assert result["resumed_equals_uninterrupted"] and result["losses_equal"]
     folder = tmp_path / "ckpts-2"
     for name in result["checkpoints"]:
         assert _ranks(folder / name) == {0, 1}

@@ -143,30 +143,14 @@ def test_the_next_run_removes_part_folders_of_other_runs(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ckpt"]
 
 
-def test_resuming_our_checkpoint_with_the_stock_model_parallel_strategy_names_the_subclass(tmp_path):
-    from lightning_ckpt.callback import _explain_sharded_resume_error
-
-    path = tmp_path / "c.ckpt"
-    assert _save_on_ranks(path, [_state(), _state()]) == [None, None]
-    # Lightning's words, from ModelParallelStrategy.load_checkpoint (fabric _load_checkpoint).
-    error = ValueError(
-        f"The path {str(path)!r} does not point to a valid checkpoint. Make sure the path points to either a"
-        " directory with distributed checkpoint shards, or a single file with a full checkpoint."
-    )
-    _explain_sharded_resume_error(error)
-    assert "lightning_ckpt.ShardedModelParallelStrategy" in str(error) and str(path) in str(error)
-    unrelated = ValueError(f"The path {str(tmp_path)!r} does not point to a valid checkpoint.")
-    _explain_sharded_resume_error(unrelated)
-    assert "ShardedModelParallelStrategy" not in str(unrelated)
-
-
 def test_sharded_resume_from_a_url_without_local_dir_names_the_fix():
     import lightning_ckpt as lc
+    from lightning_ckpt.strategies import _local_copy
 
     strategy = lc.ShardedModelParallelStrategy()
     io = lc.ShardedCheckpointIO()
     with pytest.raises(ValueError, match=r"needs `ShardedCheckpointIO\(local_dir=\.\.\.\)`.*convert URL \./local\.ckpt"):
-        strategy._local_copy(io, "s3://bucket/run/last.ckpt")
+        _local_copy(strategy, io, "s3://bucket/run/last.ckpt")
 
 
 def test_a_reused_storage_reader_reads_the_checkpoint_as_it_is_now(tmp_path):
