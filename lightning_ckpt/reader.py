@@ -81,13 +81,30 @@ class _Dir:
         os.close(self.fd)
 
 
-def not_found_message(path: str) -> str:
-    """Lightning's ``TorchCheckpointIO`` wording first (code may match on it), then our hint."""
-    return (
-        f"Checkpoint file not found: {path}. Nothing exists at that path: check it (lightning_ckpt"
-        " checkpoints are directories such as 'epoch=0-step=500.ckpt/'), or resume with"
-        " `ckpt_path=\"last\"` to pick the newest checkpoint of the run."
+def not_found_message(path: str, resume_hint: bool = True) -> str:
+    """Lightning's ``TorchCheckpointIO`` wording first (code may match on it), then our hint:
+    the checkpoints beside ``path`` when its folder has any, and with ``resume_hint`` (a load for
+    a Trainer) how to let the run pick its newest one."""
+    nearby = checkpoints_in(os.path.dirname(os.path.abspath(path)))
+    message = (
+        f"Checkpoint file not found: {path}. Nothing exists at that path: check it (lightning_ckpt checkpoints are"
+        " directories such as 'epoch=0-step=500.ckpt/')"
     )
+    if nearby:
+        shown = ", ".join(repr(os.path.basename(p)) for p in nearby[:5]) + (", ..." if len(nearby) > 5 else "")
+        message += f"; its folder holds {shown}"
+    if resume_hint:
+        return message + ", or resume with `ckpt_path=\"last\"` to pick the newest checkpoint of the run."
+    return message + "."
+
+
+def checkpoints_in(folder: str) -> list[str]:
+    """The committed lightning_ckpt checkpoints directly in ``folder`` (sorted paths; none if unreadable)."""
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return []
+    return [e.path for e in entries if os.path.isfile(os.path.join(e.path, fmt.MANIFEST_FILE))]
 
 
 def _check_digest(path: str, name: str, algorithm: str, expected: str, found: str) -> None:
@@ -125,16 +142,38 @@ def _read_manifest(directory: _Dir) -> fmt.Manifest:
     try:
         data = directory.read(fmt.MANIFEST_FILE)
     except FileNotFoundError:
-        raise CheckpointNotFoundError(
-            f"{path!r} has no {fmt.MANIFEST_FILE}: it is not a committed lightning_ckpt checkpoint (an interrupted"
-            " save never commits one). Resume from an earlier checkpoint.",
-            path,
-        ) from None
+        raise CheckpointNotFoundError(_no_manifest_message(directory), path) from None
     try:
         return fmt.Manifest.from_bytes(data, where=path)
     except CorruptCheckpointError as err:
         err.path = path
         raise
+
+
+def _no_manifest_message(directory: _Dir) -> str:
+    """Why a folder without a manifest is not a checkpoint: an interrupted save or copy leaves
+    checkpoint files behind; anything else (a logs folder, the checkpoint folder itself) is a
+    wrong path."""
+    path = directory.path
+    try:
+        names = sorted(os.listdir(directory.fd))
+    except OSError:
+        names = []
+    ours = [n for n in names if n == fmt.METADATA_FILE or n.endswith((".safetensors", ".distcp"))]
+    if ours:
+        return (
+            f"{path!r} has no {fmt.MANIFEST_FILE} but holds checkpoint files ({', '.join(map(repr, ours[:3]))}): it"
+            " is an incomplete copy or an interrupted save, never committed. Resume from an earlier checkpoint, or"
+            " copy the whole checkpoint folder again."
+        )
+    nearby = checkpoints_in(path)
+    if nearby:
+        shown = ", ".join(repr(os.path.basename(p)) for p in nearby[:5]) + (", ..." if len(nearby) > 5 else "")
+        hint = f"It is a folder of checkpoints: pass one of them ({shown})."
+    else:
+        shown = ", ".join(map(repr, names[:5])) + (", ..." if len(names) > 5 else "") if names else "nothing"
+        hint = f"It holds {shown}. Check the path: a checkpoint is a folder such as 'epoch=0-step=500.ckpt/'."
+    return f"{path!r} is not a lightning_ckpt checkpoint (it has no {fmt.MANIFEST_FILE}). {hint}"
 
 
 def check_structure(directory: _Dir, manifest: fmt.Manifest) -> None:

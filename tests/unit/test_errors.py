@@ -42,11 +42,25 @@ def test_missing_path(tmp_path):
     assert isinstance(info.value, FileNotFoundError)
 
 
-def test_directory_without_manifest_is_not_a_checkpoint(tmp_path):
+def test_directory_without_manifest_but_with_shards_is_an_incomplete_checkpoint(tmp_path):
     path = _save(tmp_path)
     os.remove(os.path.join(path, "manifest.json"))
-    with pytest.raises(lc.CheckpointNotFoundError, match="not a committed lightning_ckpt checkpoint"):
+    with pytest.raises(lc.CheckpointNotFoundError, match="incomplete copy or an interrupted save"):
         lc.load_checkpoint(path)
+
+
+def test_a_folder_that_is_not_a_checkpoint_is_called_a_wrong_path_not_an_interrupted_save(tmp_path):
+    logs = tmp_path / "lightning_logs"
+    (logs / "version_0").mkdir(parents=True)
+    (logs / "version_0" / "metrics.csv").write_text("step,loss\n")
+    with pytest.raises(lc.CheckpointNotFoundError, match="not a lightning_ckpt checkpoint") as info:
+        lc.load_checkpoint(logs)
+    assert "interrupted" not in str(info.value) and "'version_0'" in str(info.value)
+    # The checkpoint folder itself: name the checkpoints in it.
+    (tmp_path / "checkpoints").mkdir()
+    _save(tmp_path / "checkpoints", "epoch=0-step=4.ckpt")
+    with pytest.raises(lc.CheckpointNotFoundError, match=r"folder of checkpoints: pass one of them \('epoch=0-step=4.ckpt'\)"):
+        lc.load_checkpoint(tmp_path / "checkpoints")
 
 
 @pytest.mark.parametrize("garbage", [b"", b"{not json", b"[]", b'{"format": "other"}'])
