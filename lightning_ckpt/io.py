@@ -29,6 +29,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from typing_extensions import override
 
 from lightning_ckpt import manifest as fmt
+from lightning_ckpt.compile import load_hooks_on_compiled_submodules
 from lightning_ckpt import reader
 from lightning_ckpt import remote
 from lightning_ckpt.errors import CheckpointNotFoundError, CheckpointWriteError
@@ -975,7 +976,9 @@ def load_from_checkpoint(
 
     Lightning's own ``LightningModule.load_from_checkpoint`` bypasses CheckpointIO and fails on a
     directory. This runs Lightning's implementation unchanged (hyper-parameters, migration,
-    ``strict``, ``**kwargs`` overrides) with the file read by :func:`load_checkpoint`::
+    ``strict``, ``**kwargs`` overrides) with the file read by :func:`load_checkpoint`. A submodule
+    compiled in ``__init__`` (``self.net = torch.compile(net)``) loads keys with or without
+    ``_orig_mod.``, as ``ShardedModelCheckpoint(compile_safe=True)`` does for the Trainer::
 
         model = load_from_checkpoint(MyModel, "checkpoints/last.ckpt")
     """
@@ -984,7 +987,7 @@ def load_from_checkpoint(
     def _load(path: Any, map_location: Any = None, weights_only: Any = None) -> Any:
         return load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
-    with _load_patch_lock:
+    with _load_patch_lock, load_hooks_on_compiled_submodules():
         original = saving.pl_load
         saving.pl_load = _load
         try:
