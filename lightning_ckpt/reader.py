@@ -197,6 +197,21 @@ def check_structure(directory: _Dir, manifest: fmt.Manifest) -> None:
             )
 
 
+def check(path: str | os.PathLike[str]) -> fmt.Manifest:
+    """The cheap check every load starts with, alone: a committed manifest of a readable format
+    version, every listed file present with its size, the metadata's digest. Reads the manifest
+    and the metadata (small) and stats the shards; catches interrupted saves, missing and
+    truncated files, not bytes changed in place (``verify`` does)."""
+    return _retrying(os.fspath(path), _check)
+
+
+def _check(directory: _Dir) -> fmt.Manifest:
+    manifest = _read_manifest(directory)
+    check_structure(directory, manifest)
+    _read_tree(directory, manifest)
+    return manifest
+
+
 def verify(path: str | os.PathLike[str]) -> fmt.Manifest:
     """Full verification: structure plus every file's digest. Raises on the first damaged file."""
     return _retrying(os.fspath(path), _verify)
