@@ -476,6 +476,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         # the run resumed from that one, which must never be removed as outdated by this run.
         instead = getattr(trainer.strategy.checkpoint_io, "loaded_instead", None)
         if instead is not None and trainer.ckpt_path is not None and os.fspath(trainer.ckpt_path) == instead[0]:
+            # Not the public setter: it would also mark the path as user-set for the next ``fit``.
             trainer._checkpoint_connector._ckpt_path = instead[1]
 
     # ------------------------------------------------------------------------ compile safety

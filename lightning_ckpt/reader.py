@@ -1,7 +1,9 @@
 """Reading: manifest -> structural check -> memory-mapped tensors -> the checkpoint dict.
 
 * ``read_manifest`` parses and validates the manifest (the commit marker: no manifest, no checkpoint).
-* ``check_structure`` is the cheap check run on every load: every listed file present with its size.
+* ``check_structure`` is the cheap check run on every load: every listed file present with its size;
+  ``check`` runs it alone, with the manifest's and the metadata's digests (``ckpt_path="last"``
+  picks the newest intact checkpoint with it).
 * ``verify`` recomputes every file's digest (and the manifest's own) without loading anything.
 * ``load`` maps each shard privately (copy-on-write), so tensors are views of the page cache until
   written. By default it hashes every mapped shard before handing out a tensor of it (reading
