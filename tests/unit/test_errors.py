@@ -287,6 +287,26 @@ def test_unwritable_folder_gives_a_write_error(tmp_path):
         lc.save_checkpoint({"state_dict": {"w": torch.ones(1)}}, target)
 
 
+def test_a_read_only_folder_is_named_not_the_saves_lock_file(tmp_path, monkeypatch):
+    """Where a read-only mount is not possible (tests/integration/test_disk_full.py makes one):
+    the filesystem's refusal, injected where the save creates its first file (the lock)."""
+    target = _save(tmp_path)
+    real_open = os.open
+
+    def read_only(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT:
+            raise OSError(30, "Read-only file system", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(lc.CheckpointWriteError) as info:
+        lc.save_checkpoint({"w": torch.ones(1)}, target)
+    message = str(info.value)
+    assert f"Read-only file system (writing in {str(tmp_path)!r})" in message and target in message
+    assert ".lock" not in message and TMP_MARKER not in message
+    assert "Make that folder writable" in message
+
+
 def test_bad_arguments_are_named():
     io = lc.ShardedCheckpointIO()
     with pytest.raises(TypeError, match="storage_options"):
