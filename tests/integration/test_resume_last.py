@@ -16,10 +16,10 @@ import lightning_ckpt as lc
 SHARD = "model-00001-of-00001.safetensors"
 
 
-def _fit(dirpath, max_epochs, ckpt_path=None):
+def _fit(dirpath, max_epochs, ckpt_path=None, save_last=True):
     seed_everything(0, workers=True)
     model = TinyRegressor()
-    callback = lc.ShardedModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1, save_last=True)
+    callback = lc.ShardedModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1, save_last=save_last)
     trainer = Trainer(max_epochs=max_epochs, callbacks=[callback], plugins=[lc.ShardedCheckpointIO()], **trainer_kwargs())
     trainer.fit(model, ckpt_path=ckpt_path)
     return trainer, model
@@ -78,6 +78,16 @@ def test_truncated_shards_are_skipped_before_loading(run, tmp_path):
     assert "truncated" in message and f"resuming from {str(used)!r}" in message
     assert trainer.ckpt_path == str(used)
     assert model.losses == _resumed_losses(used, tmp_path)
+
+
+def test_a_linked_last_and_its_damaged_target_are_skipped_as_one(tmp_path):
+    _fit(tmp_path, 1, save_last="link")
+    assert os.path.islink(tmp_path / "last.ckpt")
+    damaged = tmp_path / "epoch=0-step=4.ckpt" / SHARD  # what last.ckpt links to
+    flip_byte(damaged, os.path.getsize(damaged) - 5)
+    with pytest.warns(UserWarning, match="skipped 1 damaged checkpoint "):
+        trainer, _ = _fit(tmp_path, 2, ckpt_path="last", save_last="link")
+    assert trainer.ckpt_path == str(tmp_path / "epoch=0-step=2.ckpt")
 
 
 def test_an_uncommitted_last_is_skipped(run):
