@@ -449,7 +449,13 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             return found
         from lightning_ckpt.legacy_dcp import is_dcp_checkpoint
 
-        ours = [p for p in _listing(folder, self._template_depth()) if os.path.isfile(os.path.join(p, fmt.MANIFEST_FILE))]
+        # Hidden entries are saves in progress or crashed ones (temporary and part folders, a
+        # checkpoint moved aside): never committed, even with a manifest inside.
+        ours = [
+            p
+            for p in _listing(folder, self._template_depth())
+            if not os.path.basename(p).startswith(".") and os.path.isfile(os.path.join(p, fmt.MANIFEST_FILE))
+        ]
         candidates = _newest_first(found, ours)
         skipped: list[tuple[str, CheckpointError]] = []
         for index, path in enumerate(candidates):

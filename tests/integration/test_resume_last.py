@@ -91,6 +91,11 @@ def test_a_linked_last_and_its_damaged_target_are_skipped_as_one(tmp_path):
 
 
 def test_an_uncommitted_last_is_skipped(run):
+    # A save that crashed after writing its manifest, before the rename that commits it: newer,
+    # complete, and never to be resumed from.
+    crashed = run / ".last.ckpt.lckpt-tmp-1-0000"
+    shutil.copytree(run / "last.ckpt", crashed)
+    os.utime(crashed / "manifest.json")  # written now: the newest manifest of the folder
     os.remove(run / "last.ckpt" / "manifest.json")
     with pytest.warns(UserWarning, match="last.ckpt"):
         trainer, _ = _fit(run, 2, ckpt_path="last")
