@@ -449,13 +449,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             return found
         from lightning_ckpt.legacy_dcp import is_dcp_checkpoint
 
-        # Hidden entries are saves in progress or crashed ones (temporary and part folders, a
-        # checkpoint moved aside): never committed, even with a manifest inside.
-        ours = [
-            p
-            for p in _listing(folder, self._template_depth())
-            if not os.path.basename(p).startswith(".") and os.path.isfile(os.path.join(p, fmt.MANIFEST_FILE))
-        ]
+        ours = [p for p in _listing(folder, self._template_depth()) if reader.is_committed(p)]
         candidates = _newest_first(found, ours)
         skipped: list[tuple[str, CheckpointError]] = []
         for index, path in enumerate(candidates):

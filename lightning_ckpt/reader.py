@@ -93,8 +93,7 @@ def not_found_message(path: str, resume_hint: bool = True) -> str:
         " directories such as 'epoch=0-step=500.ckpt/')"
     )
     if nearby:
-        shown = ", ".join(repr(os.path.basename(p)) for p in nearby[:5]) + (", ..." if len(nearby) > 5 else "")
-        message += f"; its folder holds {shown}"
+        message += f"; its folder holds {_some([os.path.basename(p) for p in nearby])}"
     if resume_hint:
         return message + ", or resume with `ckpt_path=\"last\"` to pick the newest checkpoint of the run."
     return message + "."
@@ -106,7 +105,19 @@ def checkpoints_in(folder: str) -> list[str]:
         entries = sorted(os.scandir(folder), key=lambda e: e.name)
     except OSError:
         return []
-    return [e.path for e in entries if os.path.isfile(os.path.join(e.path, fmt.MANIFEST_FILE))]
+    return [e.path for e in entries if is_committed(e.path)]
+
+
+def is_committed(path: str) -> bool:
+    """Is ``path`` a committed lightning_ckpt checkpoint by its name and manifest (nothing verified)?
+    Hidden entries are saves in progress or crashed ones (temporary and part folders, a checkpoint
+    moved aside): never committed, even with a manifest inside."""
+    return not os.path.basename(path).startswith(".") and os.path.isfile(os.path.join(path, fmt.MANIFEST_FILE))
+
+
+def _some(names: list[str], limit: int = 5) -> str:
+    """``'a', 'b', ...``: the first ``limit`` names, quoted."""
+    return ", ".join(map(repr, names[:limit])) + (", ..." if len(names) > limit else "")
 
 
 def _check_digest(path: str, name: str, algorithm: str, expected: str, found: str) -> None:
@@ -164,17 +175,16 @@ def _no_manifest_message(directory: _Dir) -> str:
     ours = [n for n in names if n == fmt.METADATA_FILE or n.endswith((".safetensors", ".distcp"))]
     if ours:
         return (
-            f"{path!r} has no {fmt.MANIFEST_FILE} but holds checkpoint files ({', '.join(map(repr, ours[:3]))}): it"
+            f"{path!r} has no {fmt.MANIFEST_FILE} but holds checkpoint files ({_some(ours, 3)}): it"
             " is an incomplete copy or an interrupted save, never committed. Resume from an earlier checkpoint, or"
             " copy the whole checkpoint folder again."
         )
     nearby = checkpoints_in(path)
     if nearby:
-        shown = ", ".join(repr(os.path.basename(p)) for p in nearby[:5]) + (", ..." if len(nearby) > 5 else "")
-        hint = f"It is a folder of checkpoints: pass one of them ({shown})."
+        hint = f"It is a folder of checkpoints: pass one of them ({_some([os.path.basename(p) for p in nearby])})."
     else:
-        shown = ", ".join(map(repr, names[:5])) + (", ..." if len(names) > 5 else "") if names else "nothing"
-        hint = f"It holds {shown}. Check the path: a checkpoint is a folder such as 'epoch=0-step=500.ckpt/'."
+        hint = f"It holds {_some(names) if names else 'nothing'}. Check the path: a checkpoint is a folder such as"
+        hint += " 'epoch=0-step=500.ckpt/'."
     return f"{path!r} is not a lightning_ckpt checkpoint (it has no {fmt.MANIFEST_FILE}). {hint}"
 
 
