@@ -48,11 +48,14 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from rich.console import Console
 from typing_extensions import override
 
 from lightning_ckpt import manifest as fmt
+from lightning_ckpt import reader
 from lightning_ckpt.compile import install_load_hook, strip_compiled_prefixes
+from lightning_ckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, skipped_damaged_message
 from lightning_ckpt.io import location
 from lightning_ckpt.memory import (
     DEFAULT_RELEASE_THRESHOLD_MB,
@@ -441,6 +444,63 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         super()._remove_checkpoint(trainer, filepath)
         self._known.discard(os.path.normpath(filepath))
 
+    # ----------------------------------------------------------------------- ckpt_path="last"
+
+    @override
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        """``ckpt_path="last"``: the newest checkpoint in this callback's folder that is committed
+        and intact, skipping damaged ones with a warning naming the damaged file and the one used.
+
+        Only when Lightning finds a ``last`` checkpoint there (otherwise its warning and a fresh
+        start, as before), and for a local folder. Candidates are ``last*.ckpt`` and every
+        committed checkpoint of the folder, newest commit (manifest) first. Each gets the cheap
+        check (manifest, every file present with its size, the metadata's digest: stats and two
+        small reads) until one passes. Hashing every byte here would read the whole checkpoint a
+        second time on every rank, and the load hashes what it reads anyway: a checkpoint whose
+        bytes changed in place (a flipped byte) is found there, and the plugin then loads the next
+        older one instead (``ShardedCheckpointIO.fall_back_on_damage``).
+
+        Lightning resolves the path on every rank before any process group exists, so no
+        collective is possible; none is needed: every rank reads the same folder (as it must,
+        to resume from it) and the checks are functions of its bytes, so all pick the same one.
+        A newer format (``UnsupportedFormatError``) is not skipped: the load says to upgrade.
+        """
+        found = super()._find_last_checkpoints(trainer)
+        folder = os.path.dirname(min(found)) if found else ""
+        if not found or is_remote(folder):
+            return found
+        from lightning_ckpt.legacy_dcp import is_dcp_checkpoint
+
+        ours = [p for p in _listing(folder, self._template_depth()) if reader.is_committed(p)]
+        candidates = _newest_first(found, ours)
+        skipped: list[tuple[str, CheckpointError]] = []
+        for index, path in enumerate(candidates):
+            if os.path.isfile(path) or is_dcp_checkpoint(path):
+                break  # written by Lightning's IO or strategies: nothing to check, as Lightning would
+            try:
+                reader.check(path)
+            except (CorruptCheckpointError, CheckpointNotFoundError) as err:
+                skipped.append((path, err))
+                continue
+            break
+        else:
+            return found  # every one is damaged: the load of the newest raises, naming its damage
+        if skipped:
+            rank_zero_warn(skipped_damaged_message(skipped, path))
+        io = trainer.strategy.checkpoint_io
+        if hasattr(io, "fall_back_on_damage"):
+            io.fall_back_on_damage(path, [p for p in candidates[index + 1 :] if p in ours])
+        return {path}
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        # The plugin loaded an older checkpoint than the one resolved (it failed verification):
+        # the run resumed from that one, which must never be removed as outdated by this run.
+        instead = getattr(trainer.strategy.checkpoint_io, "loaded_instead", None)
+        if instead is not None and trainer.ckpt_path is not None and os.fspath(trainer.ckpt_path) == instead[0]:
+            # Not the public setter: it would also mark the path as user-set for the next ``fit``.
+            trainer._checkpoint_connector._ckpt_path = instead[1]
+
     # ------------------------------------------------------------------------ compile safety
 
     @override
@@ -710,6 +770,29 @@ def _listing(dirpath: _PATH | None, depth: int, checkpoint_io: Any = None) -> li
                     below.append(entry.path)
         folders = below
     return sorted(found)
+
+
+def _newest_first(last: set[str], committed: list[str]) -> list[str]:
+    """Checkpoint paths, newest commit first (the manifest's time; a path without one, its own),
+    each checkpoint once (a ``last.ckpt`` link and its target are one, named as linked); on equal
+    times a ``last`` checkpoint first."""
+
+    def committed_at(path: str) -> int:
+        for probe in (os.path.join(path, fmt.MANIFEST_FILE), path):
+            try:
+                return os.stat(probe).st_mtime_ns
+            except OSError:
+                continue
+        return 0
+
+    seen: set[str] = set()
+    unique = []
+    for path in sorted(last) + committed:
+        real = os.path.realpath(path)
+        if real not in seen:
+            seen.add(real)
+            unique.append(path)
+    return sorted(unique, key=lambda p: (committed_at(p), p in last), reverse=True)
 
 
 def _explain_directory_error(exception: BaseException) -> None:

@@ -46,11 +46,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from lightning_ckpt import legacy_dcp, remote
-from lightning_ckpt.errors import CheckpointError, MissingDependencyError
+from lightning_ckpt.errors import CheckpointError, CheckpointNotFoundError, MissingDependencyError
 from lightning_ckpt.io import DEFAULT_MAX_SHARD_SIZE, load_checkpoint, save_checkpoint, verify_checkpoint
 from lightning_ckpt.manifest import Manifest
 from lightning_ckpt.plan import dtype_name, encode_checkpoint
-from lightning_ckpt.reader import read_manifest
+from lightning_ckpt.reader import not_found_message, read_manifest
 
 _FORMAT_TORCH = "torch"  # a single file written by torch.save
 _FORMAT_DCP = "dcp"  # a stock torch.distributed.checkpoint folder
@@ -314,6 +314,8 @@ def _verify(path: str, options: remote.RemoteOptions, console: Console) -> int:
         )
         return 0
     path = _local(path)
+    if not os.path.exists(path):  # a load's message would suggest resuming, which verify does not do
+        raise CheckpointNotFoundError(not_found_message(path, resume_hint=False), path)
     if not os.path.isdir(path) or legacy_dcp.is_dcp_checkpoint(path):
         load_checkpoint(path, weights_only=True)
         kind = "stock DCP checkpoint" if os.path.isdir(path) else "single-file checkpoint"

@@ -9,8 +9,10 @@ compiled module itself, so no guard fails and nothing recompiles. Nothing here i
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -72,3 +74,33 @@ def install_load_hook(module: torch.nn.Module) -> Any:
         align_keys_to(list(mod.state_dict().keys()), state_dict)
 
     return module.register_load_state_dict_pre_hook(hook)
+
+
+@contextmanager
+def load_hooks_on_compiled_submodules() -> Iterator[None]:
+    """While active, each compiled submodule assigned on this thread (``self.net =
+    torch.compile(net)`` in a constructor) loads keys with or without ``_orig_mod.``.
+
+    For loaders that build the module and load it in one call (Lightning's
+    ``load_from_checkpoint``), so there is no module to hook between the two. Module
+    registrations on other threads are left alone; the hooks are removed on exit.
+    """
+    thread = threading.get_ident()
+    handles: list[Any] = []
+
+    def on_register(parent: torch.nn.Module, name: str, submodule: torch.nn.Module | None) -> None:
+        if threading.get_ident() == thread and isinstance(getattr(submodule, "_orig_mod", None), torch.nn.Module):
+            handles.append(submodule.register_load_state_dict_pre_hook(_align_below))  # type: ignore[union-attr]
+
+    registration = torch.nn.modules.module.register_module_module_registration_hook(on_register)
+    try:
+        yield
+    finally:
+        registration.remove()
+        for handle in handles:
+            handle.remove()
+
+
+def _align_below(module: torch.nn.Module, state_dict: MutableMapping[str, Any], prefix: str, *args: Any) -> None:
+    """Load pre-hook of a compiled submodule: its keys (under ``prefix``) in the form it expects."""
+    align_keys_to([prefix + key for key in module.state_dict().keys()], state_dict)

@@ -55,3 +55,18 @@ class CheckpointWriteError(CheckpointError):
 
 class MissingDependencyError(CheckpointError, ImportError):
     """A checkpoint URL needs an optional package that is not installed (the message names the extra)."""
+
+
+def skipped_damaged_message(skipped: list[tuple[str, CheckpointError]], used: str) -> str:
+    """The warning of a ``ckpt_path="last"`` resume that skipped damaged checkpoints: each one with
+    its damaged file and the reason, then the checkpoint resumed from instead."""
+    parts = []
+    for path, err in skipped:
+        file = getattr(err, "file", None)
+        reason = str(err).removeprefix(f"{path!r}: ").split(". ")[0].rstrip(".")
+        where = os.path.join(path, file) if file else path
+        parts.append(f"{where!r}: {reason}")
+    return (
+        f'ckpt_path="last": skipped {len(skipped)} damaged checkpoint{"s" if len(skipped) > 1 else ""}'
+        f" ({'; '.join(parts)}); resuming from {used!r}, the newest checkpoint found intact."
+    )

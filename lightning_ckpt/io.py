@@ -26,12 +26,20 @@ import fsspec
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_ckpt import manifest as fmt
+from lightning_ckpt.compile import load_hooks_on_compiled_submodules
 from lightning_ckpt import reader
 from lightning_ckpt import remote
-from lightning_ckpt.errors import CheckpointNotFoundError, CheckpointWriteError
+from lightning_ckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    skipped_damaged_message,
+)
 from lightning_ckpt.plan import OPTIMIZER_COMPONENT, Blob, Plan, make_plan, parse_size
 from lightning_ckpt import staging
 from lightning_ckpt.staging import StagingPool
@@ -362,6 +370,10 @@ class ShardedCheckpointIO(CheckpointIO):
         self._refuse_next_removal = False
         # Remote checkpoints this process loaded (resumed from), never removed by it (url_key).
         self._loaded_remote: set[str] = set()
+        # Resolved checkpoint -> older intact ones to load instead if it fails verification
+        # (set by ``ShardedModelCheckpoint`` for ``ckpt_path="last"``); see ``load_checkpoint``.
+        self._fallbacks: dict[str, list[str]] = {}
+        self.loaded_instead: tuple[str, str] | None = None  # (asked, loaded) by the last load that fell back
         self._staged: tuple[tuple[Any, ...], dict[str, tuple[int, int]]] | None = None
         self.skipped_saves = 0
         self._unpolled: deque[WriteResult] = deque(maxlen=1024)
@@ -702,6 +714,9 @@ class ShardedCheckpointIO(CheckpointIO):
         """Load a directory checkpoint (or a legacy ``.ckpt`` file); see :func:`load_checkpoint`.
 
         Waits for saves still being written, so a checkpoint is never read before it is committed.
+        A checkpoint given fallbacks (``fall_back_on_damage``) that fails verification is skipped
+        with a warning naming the damaged file, for the newest of its fallbacks that loads;
+        ``loaded_instead`` then says which.
         """
         if self.async_save:
             with self._lock:
@@ -711,7 +726,27 @@ class ShardedCheckpointIO(CheckpointIO):
             self._uploader.wait()
             self.keep_loaded(path)
             return _load_remote(os.fspath(path), self.remote, map_location, weights_only, self.verify_on_load == "full")
-        return load_checkpoint(path, map_location, weights_only, verify=self.verify_on_load == "full")
+        candidates = [os.fspath(path), *self._fallbacks.pop(location(path), [])]
+        self.loaded_instead = None
+        skipped: list[tuple[str, CheckpointError]] = []
+        for candidate in candidates:
+            try:
+                checkpoint = load_checkpoint(candidate, map_location, weights_only, verify=self.verify_on_load == "full")
+            except (CorruptCheckpointError, CheckpointNotFoundError) as err:
+                if candidate is candidates[-1]:
+                    raise
+                skipped.append((candidate, err))  # every rank reads the same bytes: all skip it
+                continue
+            if skipped:
+                self.loaded_instead = (candidates[0], candidate)
+                rank_zero_warn(skipped_damaged_message(skipped, candidate))
+            return checkpoint
+        raise AssertionError("unreachable: the last candidate returns or raises")
+
+    def fall_back_on_damage(self, path: Any, fallbacks: list[str]) -> None:
+        """Let the next ``load_checkpoint(path)`` load the first of ``fallbacks`` (older checkpoints,
+        newest first) that verifies when ``path`` fails verification, instead of raising."""
+        self._fallbacks[location(path)] = list(fallbacks)
 
     def keep_loaded(self, url: Any) -> None:
         """Never remove the remote checkpoint ``url`` from this process: it was loaded (resumed
@@ -975,7 +1010,9 @@ def load_from_checkpoint(
 
     Lightning's own ``LightningModule.load_from_checkpoint`` bypasses CheckpointIO and fails on a
     directory. This runs Lightning's implementation unchanged (hyper-parameters, migration,
-    ``strict``, ``**kwargs`` overrides) with the file read by :func:`load_checkpoint`::
+    ``strict``, ``**kwargs`` overrides) with the file read by :func:`load_checkpoint`. A submodule
+    compiled in ``__init__`` (``self.net = torch.compile(net)``) loads keys with or without
+    ``_orig_mod.``, as ``ShardedModelCheckpoint(compile_safe=True)`` does for the Trainer::
 
         model = load_from_checkpoint(MyModel, "checkpoints/last.ckpt")
     """
@@ -984,7 +1021,7 @@ def load_from_checkpoint(
     def _load(path: Any, map_location: Any = None, weights_only: Any = None) -> Any:
         return load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
-    with _load_patch_lock:
+    with _load_patch_lock, load_hooks_on_compiled_submodules():
         original = saving.pl_load
         saving.pl_load = _load
         try:

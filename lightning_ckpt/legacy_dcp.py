@@ -45,6 +45,7 @@ from lightning_ckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     UnsafeCheckpointError,
+    UnsupportedFormatError,
 )
 from lightning_ckpt.manifest import MANIFEST_FILE, is_safe_name
 from lightning_ckpt.plan import format_key_path
@@ -200,19 +201,92 @@ def _read_metadata(path: str, safe: bool) -> Metadata:
     except OSError:
         raise
     except _Refused as err:
+        _raise_if_newer(path, where)
         raise UnsafeCheckpointError(
             f"{where!r}: the DCP metadata names {err}, which weights-only loading refuses (it is not one of"
             " DCP's metadata classes). If you trust this checkpoint, load it with `weights_only=False`"
             " (e.g. `lightning_ckpt.load_checkpoint(path, weights_only=False)`).",
             path,
         ) from None
-    except Exception as err:  # truncated or garbled: pickle raises many kinds
+    except Exception as err:  # truncated or garbled (pickle raises many kinds), or from a newer torch
+        _raise_if_newer(path, where)
         raise _corrupt_metadata(path, f"{type(err).__name__}: {err}") from err
     if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
         raise _corrupt_metadata(path, f"it holds a {type(metadata).__name__}, not DCP's Metadata")
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return metadata
+
+
+class _Probe:
+    """Stands in for a class while probing a ``.metadata`` that failed to unpickle: takes any
+    arguments and any state, and records (per stand-in class) how many fields each state had."""
+
+    state_sizes: set[int]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple):
+            type(self).state_sizes.add(len(state))
+
+
+def _stand_in(name: str) -> type[_Probe]:
+    return type(name, (_Probe,), {"state_sizes": set()})
+
+
+class _ProbeUnpickler(_MetadataUnpickler):
+    """Reads a ``.metadata`` as far as the torch that wrote it would: a global of a torch module
+    that this torch lacks, and each DCP class with its own ``__setstate__`` (whose state layout a
+    newer torch may have extended), become ``_Probe`` stand-ins; anything else as weights-only."""
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self.missing: list[str] = []  # torch globals this torch does not have
+        self.probed: dict[type[_Probe], type] = {}  # stand-in -> the class it stands for
+
+    @override
+    def find_class(self, module: str, name: str) -> Any:
+        if module.split(".")[0] == "torch":
+            try:
+                found = getattr(__import__(module, fromlist=[name]), name)
+            except (ImportError, AttributeError):
+                self.missing.append(f"{module}.{name}")
+                return _stand_in(name)
+            if name in _METADATA_GLOBALS.get(module, ()) and isinstance(found, type) and "__setstate__" in vars(found):
+                stand_in = _stand_in(name)
+                self.probed[stand_in] = found
+                return stand_in
+        return super().find_class(module, name)
+
+
+def _raise_if_newer(path: str, where: str) -> None:
+    """Raise ``UnsupportedFormatError`` when ``.metadata`` failed to unpickle because a newer torch
+    wrote it: it names a torch class this torch lacks, or pickles a DCP class with more fields
+    than this torch's (torch 2.15 added ``strides`` to ``TensorProperties``, which 2.14's
+    ``__setstate__`` cannot unpack). Return when the file is unreadable either way (damaged)."""
+    try:
+        with open(where, "rb") as f:
+            probe = _ProbeUnpickler(f)
+            probe.load()
+    except Exception:
+        return
+    reasons = [f"it names {name}, which this torch lacks" for name in dict.fromkeys(probe.missing)]
+    for stand_in, real in probe.probed.items():
+        try:
+            known = len(real().__getstate__())
+        except Exception:  # no default construction: nothing to compare with
+            continue
+        if any(size > known for size in stand_in.state_sizes):
+            reasons.append(f"its {real.__name__} has {max(stand_in.state_sizes)} fields, this torch's {known}")
+    if reasons:
+        raise UnsupportedFormatError(
+            f"{where!r} was written by a newer torch than this one ({torch.__version__}): {'; '.join(reasons)}."
+            " Upgrade torch (`pip install -U torch`) to load it, or convert it with the torch that wrote it"
+            " (`python -m lightning_ckpt convert DIR OUT.ckpt`).",
+            path,
+        )
 
 
 def _corrupt_metadata(path: str, reason: str) -> CorruptCheckpointError:

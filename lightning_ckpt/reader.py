@@ -1,7 +1,9 @@
 """Reading: manifest -> structural check -> memory-mapped tensors -> the checkpoint dict.
 
 * ``read_manifest`` parses and validates the manifest (the commit marker: no manifest, no checkpoint).
-* ``check_structure`` is the cheap check run on every load: every listed file present with its size.
+* ``check_structure`` is the cheap check run on every load: every listed file present with its size;
+  ``check`` runs it alone, with the manifest's and the metadata's digests (``ckpt_path="last"``
+  picks the newest intact checkpoint with it).
 * ``verify`` recomputes every file's digest (and the manifest's own) without loading anything.
 * ``load`` maps each shard privately (copy-on-write), so tensors are views of the page cache until
   written. By default it hashes every mapped shard before handing out a tensor of it (reading
@@ -81,13 +83,41 @@ class _Dir:
         os.close(self.fd)
 
 
-def not_found_message(path: str) -> str:
-    """Lightning's ``TorchCheckpointIO`` wording first (code may match on it), then our hint."""
-    return (
-        f"Checkpoint file not found: {path}. Nothing exists at that path: check it (lightning_ckpt"
-        " checkpoints are directories such as 'epoch=0-step=500.ckpt/'), or resume with"
-        " `ckpt_path=\"last\"` to pick the newest checkpoint of the run."
+def not_found_message(path: str, resume_hint: bool = True) -> str:
+    """Lightning's ``TorchCheckpointIO`` wording first (code may match on it), then our hint:
+    the checkpoints beside ``path`` when its folder has any, and with ``resume_hint`` (a load for
+    a Trainer) how to let the run pick its newest one."""
+    nearby = checkpoints_in(os.path.dirname(os.path.abspath(path)))
+    message = (
+        f"Checkpoint file not found: {path}. Nothing exists at that path: check it (lightning_ckpt checkpoints are"
+        " directories such as 'epoch=0-step=500.ckpt/')"
     )
+    if nearby:
+        message += f"; its folder holds {_some([os.path.basename(p) for p in nearby])}"
+    if resume_hint:
+        return message + ", or resume with `ckpt_path=\"last\"` to pick the newest checkpoint of the run."
+    return message + "."
+
+
+def checkpoints_in(folder: str) -> list[str]:
+    """The committed lightning_ckpt checkpoints directly in ``folder`` (sorted paths; none if unreadable)."""
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return []
+    return [e.path for e in entries if is_committed(e.path)]
+
+
+def is_committed(path: str) -> bool:
+    """Is ``path`` a committed lightning_ckpt checkpoint by its name and manifest (nothing verified)?
+    Hidden entries are saves in progress or crashed ones (temporary and part folders, a checkpoint
+    moved aside): never committed, even with a manifest inside."""
+    return not os.path.basename(path).startswith(".") and os.path.isfile(os.path.join(path, fmt.MANIFEST_FILE))
+
+
+def _some(names: list[str], limit: int = 5) -> str:
+    """``'a', 'b', ...``: the first ``limit`` names, quoted."""
+    return ", ".join(map(repr, names[:limit])) + (", ..." if len(names) > limit else "")
 
 
 def _check_digest(path: str, name: str, algorithm: str, expected: str, found: str) -> None:
@@ -125,16 +155,37 @@ def _read_manifest(directory: _Dir) -> fmt.Manifest:
     try:
         data = directory.read(fmt.MANIFEST_FILE)
     except FileNotFoundError:
-        raise CheckpointNotFoundError(
-            f"{path!r} has no {fmt.MANIFEST_FILE}: it is not a committed lightning_ckpt checkpoint (an interrupted"
-            " save never commits one). Resume from an earlier checkpoint.",
-            path,
-        ) from None
+        raise CheckpointNotFoundError(_no_manifest_message(directory), path) from None
     try:
         return fmt.Manifest.from_bytes(data, where=path)
     except CorruptCheckpointError as err:
         err.path = path
         raise
+
+
+def _no_manifest_message(directory: _Dir) -> str:
+    """Why a folder without a manifest is not a checkpoint: an interrupted save or copy leaves
+    checkpoint files behind; anything else (a logs folder, the checkpoint folder itself) is a
+    wrong path."""
+    path = directory.path
+    try:
+        names = sorted(os.listdir(directory.fd))
+    except OSError:
+        names = []
+    ours = [n for n in names if n == fmt.METADATA_FILE or n.endswith((".safetensors", ".distcp"))]
+    if ours:
+        return (
+            f"{path!r} has no {fmt.MANIFEST_FILE} but holds checkpoint files ({_some(ours, 3)}): it"
+            " is an incomplete copy or an interrupted save, never committed. Resume from an earlier checkpoint, or"
+            " copy the whole checkpoint folder again."
+        )
+    nearby = checkpoints_in(path)
+    if nearby:
+        hint = f"It is a folder of checkpoints: pass one of them ({_some([os.path.basename(p) for p in nearby])})."
+    else:
+        hint = f"It holds {_some(names) if names else 'nothing'}. Check the path: a checkpoint is a folder such as"
+        hint += " 'epoch=0-step=500.ckpt/'."
+    return f"{path!r} is not a lightning_ckpt checkpoint (it has no {fmt.MANIFEST_FILE}). {hint}"
 
 
 def check_structure(directory: _Dir, manifest: fmt.Manifest) -> None:
@@ -156,6 +207,21 @@ def check_structure(directory: _Dir, manifest: fmt.Manifest) -> None:
                 path,
                 name,
             )
+
+
+def check(path: str | os.PathLike[str]) -> fmt.Manifest:
+    """The cheap check every load starts with, alone: a committed manifest of a readable format
+    version, every listed file present with its size, the metadata's digest. Reads the manifest
+    and the metadata (small) and stats the shards; catches interrupted saves, missing and
+    truncated files, not bytes changed in place (``verify`` does)."""
+    return _retrying(os.fspath(path), _check)
+
+
+def _check(directory: _Dir) -> fmt.Manifest:
+    manifest = _read_manifest(directory)
+    check_structure(directory, manifest)
+    _read_tree(directory, manifest)
+    return manifest
 
 
 def verify(path: str | os.PathLike[str]) -> fmt.Manifest:

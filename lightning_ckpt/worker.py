@@ -226,10 +226,14 @@ class WriterProcess:
             else:
                 if job is not None and job.kind == "save":
                     self._failed_saves.add(message["id"])
+                what = f"Background {job.kind if job else 'job'}"
+                explained = message.get("explained", False)
                 self._errors.append(
                     CheckpointWriteError(
-                        f"Background {job.kind if job else 'job'} of checkpoint {message['path']!r} failed:"
-                        f" {message['error']}. The checkpoint was not committed; earlier checkpoints are intact.",
+                        f"{what}: {message['error']}"
+                        if explained
+                        else f"{what} of checkpoint {message['path']!r} failed: {message['error']}. The checkpoint was"
+                        " not committed; earlier checkpoints are intact.",
                         message["path"],
                     )
                 )
@@ -412,7 +416,9 @@ def _serve(sock: socket.socket) -> None:
         except EOFError:
             return  # the training process died mid-save; the temporary directory is gone already
         except Exception as err:  # reported to the training process, raised there once
-            reply.update(status="error", error=f"{type(err).__name__}: {err}")
+            # A ``CheckpointWriteError`` says what happened and what was kept already: sent as it is.
+            explained = isinstance(err, CheckpointWriteError)
+            reply.update(status="error", error=str(err) if explained else f"{type(err).__name__}: {err}", explained=explained)
             if kind == "save":
                 failed.add(message["id"])
         _send(sock, reply)

@@ -689,11 +689,36 @@ def _write_error(err: BaseException, target: str, writer: str = "Saving checkpoi
         return CheckpointWriteError(f"Checkpoint {target!r} was committed, but its durability is not guaranteed: {err}", target)
     if isinstance(err, (OSError, RuntimeError, ValueError)):
         return CheckpointWriteError(
-            f"{writer} {target!r} failed: {str(err).rstrip('.')}. Nothing was committed; any checkpoint previously at that path"
-            " is unchanged.",
+            f"{writer} {target!r} failed: {_reason(err, target)}. Nothing was committed; any checkpoint previously at"
+            f" that path is unchanged.{_FIXES.get(getattr(err, 'errno', None), '')}",
             target,
         )
     return None
+
+
+_NOT_WRITABLE = " Make that folder writable, or save somewhere else (the callback's `dirpath`)."
+_FULL = " Free space on that filesystem (or keep fewer checkpoints, e.g. a lower `save_top_k`), then save again."
+_FIXES = {
+    errno.EROFS: _NOT_WRITABLE,
+    errno.EACCES: _NOT_WRITABLE,
+    errno.EPERM: _NOT_WRITABLE,
+    errno.ENOSPC: _FULL,
+    errno.EDQUOT: _FULL,
+}
+
+
+def _reason(err: BaseException, target: str) -> str:
+    """The error as the user should read it: a file of ours (a shard, the lock or temporary folder
+    of the save) stands for the checkpoint's folder, which is what the user chose and can fix."""
+    filename = getattr(err, "filename", None)
+    if isinstance(err, OSError) and isinstance(filename, str) and _is_internal(filename, target):
+        return f"[Errno {err.errno}] {err.strerror} (writing in {os.path.dirname(os.path.abspath(target))!r})"
+    return str(err).rstrip(".")
+
+
+def _is_internal(filename: str, target: str) -> bool:
+    """Is ``filename`` a file the save made for ``target`` (its temporary folder, lock, shards)?"""
+    return TMP_MARKER in filename or os.path.abspath(filename).startswith(os.path.abspath(target) + os.sep)
 
 
 def write_shards(

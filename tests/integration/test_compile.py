@@ -40,6 +40,17 @@ def test_saved_keys_have_no_orig_mod_and_load_into_both_forms(tmp_path):
     assert trainer.global_step == 8 and len(resumed.losses) == 4
 
 
+def test_load_from_checkpoint_builds_a_model_that_compiles_a_submodule_in_init(tmp_path):
+    compiled = CompiledRegressor()
+    _fit(compiled, lc.ShardedModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True))
+    loaded = lc.load_from_checkpoint(CompiledRegressor, tmp_path / "last.ckpt")  # strict: every key lines up
+    assert any("_orig_mod" in k for k in loaded.state_dict())
+    for key, value in compiled.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value)
+    # The hooks served that load only: the model is left as Lightning builds it.
+    assert not loaded.net._load_state_dict_pre_hooks
+
+
 def test_a_checkpoint_with_orig_mod_keys_loads_into_an_uncompiled_model(tmp_path):
     _fit(CompiledRegressor(), ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="old"))
     assert any("_orig_mod" in k for k in lc.load_checkpoint(tmp_path / "old.ckpt")["state_dict"])

@@ -167,6 +167,26 @@ def test_a_damaged_metadata_file_is_named(tmp_path, capsys, damage):
         assert captured.out == "" and ".metadata" in captured.err
 
 
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_metadata_from_a_newer_torch_says_upgrade_not_corrupt(tmp_path, monkeypatch, weights_only):
+    """torch 2.15 pickles DCP's TensorProperties with a sixth field (``strides``), which older
+    torch's ``__setstate__`` cannot unpack: the real file, rewritten as a 2.15 pickles it."""
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    folder = _plain(tmp_path)
+    metadata = folder / ".metadata"
+    written = pickle.loads(metadata.read_bytes())
+    fields = TensorProperties.__getstate__
+    with monkeypatch.context() as patch:  # only while pickling, as the newer torch would
+        patch.setattr(TensorProperties, "__getstate__", lambda self: (*fields(self), None))
+        metadata.write_bytes(pickle.dumps(written))
+    with pytest.raises(ValueError, match="too many values to unpack"):  # what torch itself says
+        pickle.loads(metadata.read_bytes())
+    with pytest.raises(lc.UnsupportedFormatError, match=r"newer torch.*TensorProperties has 6 fields.*Upgrade torch") as caught:
+        lc.load_checkpoint(folder, weights_only=weights_only)
+    assert caught.value.path == str(folder)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "missing"])
 def test_a_damaged_data_file_is_named(tmp_path, damage):
     folder = _plain(tmp_path)

@@ -43,6 +43,13 @@ def test_verify_names_the_damaged_file_and_exits_non_zero(tmp_path, capsys):
     assert main(["verify", str(tmp_path / "missing.ckpt")]) == 1
 
 
+def test_verify_of_a_missing_path_lists_the_checkpoints_beside_it_and_no_resume_hint(tmp_path, capsys):
+    _checkpoint(tmp_path)
+    assert main(["verify", str(tmp_path / "c2.ckpt")]) == 1
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
+    assert "not found" in err and "'c.ckpt'" in err and "ckpt_path" not in err
+
+
 def test_convert_both_ways(tmp_path):
     state = _checkpoint(tmp_path)
     assert main(["convert", str(tmp_path / "c.ckpt"), str(tmp_path / "single.ckpt")]) == 0

@@ -42,11 +42,25 @@ def test_missing_path(tmp_path):
     assert isinstance(info.value, FileNotFoundError)
 
 
-def test_directory_without_manifest_is_not_a_checkpoint(tmp_path):
+def test_directory_without_manifest_but_with_shards_is_an_incomplete_checkpoint(tmp_path):
     path = _save(tmp_path)
     os.remove(os.path.join(path, "manifest.json"))
-    with pytest.raises(lc.CheckpointNotFoundError, match="not a committed lightning_ckpt checkpoint"):
+    with pytest.raises(lc.CheckpointNotFoundError, match="incomplete copy or an interrupted save"):
         lc.load_checkpoint(path)
+
+
+def test_a_folder_that_is_not_a_checkpoint_is_called_a_wrong_path_not_an_interrupted_save(tmp_path):
+    logs = tmp_path / "lightning_logs"
+    (logs / "version_0").mkdir(parents=True)
+    (logs / "version_0" / "metrics.csv").write_text("step,loss\n")
+    with pytest.raises(lc.CheckpointNotFoundError, match="not a lightning_ckpt checkpoint") as info:
+        lc.load_checkpoint(logs)
+    assert "interrupted" not in str(info.value) and "'version_0'" in str(info.value)
+    # The checkpoint folder itself: name the checkpoints in it.
+    (tmp_path / "checkpoints").mkdir()
+    _save(tmp_path / "checkpoints", "epoch=0-step=4.ckpt")
+    with pytest.raises(lc.CheckpointNotFoundError, match=r"folder of checkpoints: pass one of them \('epoch=0-step=4.ckpt'\)"):
+        lc.load_checkpoint(tmp_path / "checkpoints")
 
 
 @pytest.mark.parametrize("garbage", [b"", b"{not json", b"[]", b'{"format": "other"}'])
@@ -271,6 +285,26 @@ def test_unwritable_folder_gives_a_write_error(tmp_path):
         target = str(tmp_path / "x.ckpt")
     with pytest.raises(lc.CheckpointWriteError, match="lightning_ckpt_cannot_write_here|x.ckpt"):
         lc.save_checkpoint({"state_dict": {"w": torch.ones(1)}}, target)
+
+
+def test_a_read_only_folder_is_named_not_the_saves_lock_file(tmp_path, monkeypatch):
+    """Where a read-only mount is not possible (tests/integration/test_disk_full.py makes one):
+    the filesystem's refusal, injected where the save creates its first file (the lock)."""
+    target = _save(tmp_path)
+    real_open = os.open
+
+    def read_only(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT:
+            raise OSError(30, "Read-only file system", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(lc.CheckpointWriteError) as info:
+        lc.save_checkpoint({"w": torch.ones(1)}, target)
+    message = str(info.value)
+    assert f"Read-only file system (writing in {str(tmp_path)!r})" in message and target in message
+    assert ".lock" not in message and TMP_MARKER not in message
+    assert "Make that folder writable" in message
 
 
 def test_bad_arguments_are_named():
