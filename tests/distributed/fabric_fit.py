@@ -153,7 +153,17 @@ def main() -> None:
         model3, _ = setup(fabric)
         partial = sorted(fabric.load("step=3.ckpt", {"model": model3}))
         model_only = states_equal(full_state(fabric, model3)["model"], saved["model"])
+        # A filtered save (biases left out) loads with strict=False; the biases keep their values.
+        fabric.save("filtered.ckpt", {"model": model2, "step": 6}, filter={"model": lambda key, _: "bias" not in key})
+        model4, _ = setup(fabric)
+        before = full_state(fabric, model4)["model"]
+        fabric.load("filtered.ckpt", {"model": model4}, strict=False)
+        after, trained = full_state(fabric, model4)["model"], full_state(fabric, model2)["model"]
+        filtered = all(
+            torch.equal(after[k], before[k] if "bias" in k else trained[k]) for k in after
+        ) and not all(torch.equal(after[k], trained[k]) for k in after)
         result.update(
+            filtered_load=gather(fabric, filtered),
             step=state["step"],
             remainder=remainder,
             restored_equals_saved=gather(fabric, restored),

@@ -30,6 +30,7 @@ def _train(tmp_path, strategy: str) -> dict:
     assert result["restored_equals_saved"] == [True, True]
     assert result["resumed_equals_uninterrupted"] == [True, True]
     assert result["model_only_equals_saved"] == [True, True]
+    assert result["filtered_load"] == [True, True]
     lc.verify_checkpoint(tmp_path / "step=3.ckpt")
     return result
 

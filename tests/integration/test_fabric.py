@@ -151,3 +151,24 @@ def test_a_fabric_checkpoint_with_the_earlier_file_names_loads(tmp_path):
     assert state["iteration"] == 3
     assert torch.equal(model.state_dict()["0.weight"], torch.arange(6, dtype=torch.float32).reshape(2, 3))
     assert torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], torch.full((2, 3), 0.25))
+
+
+def test_the_sharded_strategies_take_only_our_plugin_and_default_to_it():
+    from lightning.fabric.plugins import TorchCheckpointIO
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    stock = ModelParallelStrategy(lambda model, mesh: model)
+    with pytest.raises(NotImplementedError, match="does not support setting a `CheckpointIO`"):
+        stock.checkpoint_io = lc.ShardedCheckpointIO()  # why the subclasses exist
+    for strategy in (
+        lc.ShardedFabricModelParallelStrategy(lambda model, mesh: model),
+        lc.ShardedFabricFSDPStrategy(),
+        lc.ShardedFabricDDPStrategy(),
+    ):
+        assert isinstance(strategy.checkpoint_io, lc.ShardedCheckpointIO)
+        io = lc.ShardedCheckpointIO()
+        strategy.checkpoint_io = io
+        assert strategy.checkpoint_io is io
+        with pytest.raises(TypeError, match=r"saves through `lightning_ckpt.ShardedCheckpointIO`, got `TorchCheckpointIO`"):
+            strategy.checkpoint_io = TorchCheckpointIO()
+    assert lc.ShardedFabricFSDPStrategy()._state_dict_type == "sharded"
