@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 )
 
 import lightning_ckpt as lc  # noqa: E402
+from distributed.sharded_fit import states_equal  # noqa: E402
 
 ASYNC = os.environ.get("LCKPT_TEST_ASYNC") == "1"
 
@@ -107,16 +108,6 @@ def clone(value):
     if isinstance(value, (list, tuple)):
         return type(value)(clone(v) for v in value)
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
-
-
-def states_equal(a, b) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(states_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    return a == b
 
 
 def gather(fabric: Fabric, value) -> list:

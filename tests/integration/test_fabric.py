@@ -8,19 +8,10 @@ import os
 
 import pytest
 import torch
+from distributed.sharded_fit import states_equal as _same
 from lightning.fabric import Fabric
 
 import lightning_ckpt as lc
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    return a == b
 
 
 def _setup(fabric: Fabric, seed: int = 0):
