@@ -21,7 +21,6 @@ import os
 from collections.abc import Callable
 from typing import Any, Optional, Union
 
-import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.fabric.strategies.strategy import _apply_filter, _validate_keys_for_strict_loading
@@ -167,8 +166,8 @@ class _FabricShardedCheckpoints(_ThroughThePlugin):
         """A lightning_ckpt checkpoint is loaded in place into the sharded model and optimizers in
         ``state``, resharded onto the current ranks; other values of ``state`` are replaced by the
         checkpoint's. Returns the rest of the checkpoint, as Fabric does: values not asked for,
-        except models' and optimizers' state, which is left unread (its tensors are sharded:
-        assembling them whole would need the whole state on every rank). Without ``state``: the
+        except keys saved in pieces (sharded models' and optimizers' state), which are left
+        unread: assembling them whole would need the whole state on every rank. Without ``state``: the
         whole checkpoint on every rank. ``strict`` follows Fabric: keys of ``state`` missing from
         the checkpoint, and model parameters missing from it, raise ``KeyError``.
 
