@@ -31,6 +31,9 @@ _LAZY = {
     "remove_activation_checkpointing": "lightning_ckpt.activation",
     "ShardedCheckpointIO": "lightning_ckpt.io",
     "ShardedModelCheckpoint": "lightning_ckpt.callback",
+    "ShardedFabricDDPStrategy": "lightning_ckpt.fabric",
+    "ShardedFabricFSDPStrategy": "lightning_ckpt.fabric",
+    "ShardedFabricModelParallelStrategy": "lightning_ckpt.fabric",
     "ShardedFSDPStrategy": "lightning_ckpt.strategies",
     "ShardedModelParallelStrategy": "lightning_ckpt.strategies",
     "ShardedStorageReader": "lightning_ckpt.distributed",
@@ -50,6 +53,11 @@ if TYPE_CHECKING:
     )
     from lightning_ckpt.callback import ShardedModelCheckpoint
     from lightning_ckpt.distributed import ShardedStorageReader
+    from lightning_ckpt.fabric import (
+        ShardedFabricDDPStrategy,
+        ShardedFabricFSDPStrategy,
+        ShardedFabricModelParallelStrategy,
+    )
     from lightning_ckpt.strategies import ShardedFSDPStrategy, ShardedModelParallelStrategy
     from lightning_ckpt.io import (
         ShardedCheckpointIO,
@@ -84,6 +92,9 @@ __all__ = [
     "MissingDependencyError",
     "ShardedCheckpointIO",
     "ShardedModelCheckpoint",
+    "ShardedFabricDDPStrategy",
+    "ShardedFabricFSDPStrategy",
+    "ShardedFabricModelParallelStrategy",
     "ShardedFSDPStrategy",
     "ShardedModelParallelStrategy",
     "ShardedStorageReader",

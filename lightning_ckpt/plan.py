@@ -7,7 +7,7 @@ Nothing here touches a disk or a process. ``make_plan`` splits a checkpoint into
 * :class:`Blob` s (the contiguous byte runs actually written; tensors that overlap in memory share
   one blob, so tied weights are stored once and come back aliased), packed into :class:`Shard` s
   per *component* (the top-level key: ``state_dict`` -> ``model``, ``optimizer_states`` ->
-  ``optimizer``, anything else under its own name).
+  ``optimizer``, anything else under its own name; see ``component_names``).
 
 ``decode_tree`` is the inverse of the tree encoding.
 """
@@ -336,15 +336,33 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _component_name(key: Any, taken: set[str]) -> str:
-    if key in _COMPONENT_OF_KEY:
-        return _COMPONENT_OF_KEY[key]
-    base = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(key)).strip("._-") or "part"
-    name, n = base, 1
-    while name in taken or name in _RESERVED_COMPONENTS:
-        n += 1
-        name = f"{base}_{n}"
-    return name
+def component_names(keys: Sequence[Any]) -> dict[Any, str]:
+    """The component (shard file prefix) of each top-level key of a checkpoint dict.
+
+    A Trainer checkpoint (one holding ``state_dict`` or ``optimizer_states``): those two are
+    ``model`` and ``optimizer``, and every other key is named after itself, with ``_2``, ``_3``
+    ... where that name is taken or reserved (a ``model`` key beside ``state_dict`` is
+    ``model_2``). Any other dict (Fabric's ``{"model": ..., "optimizer": ...}``): every key is
+    named after itself; only ``metadata`` and ``manifest`` are reserved. Names are for people
+    and other tools only: loading follows the manifest, so checkpoints named by earlier rules
+    (Fabric's ``model_2``) load unchanged.
+    """
+    trainer = any(key in _COMPONENT_OF_KEY for key in keys)
+    reserved = _RESERVED_COMPONENTS if trainer else _RESERVED_COMPONENTS - set(_COMPONENT_OF_KEY.values())
+    names: dict[Any, str] = {}
+    taken: set[str] = set()
+    for key in keys:
+        if trainer and key in _COMPONENT_OF_KEY:
+            name = _COMPONENT_OF_KEY[key]
+        else:
+            base = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(key)).strip("._-") or "part"
+            name, n = base, 1
+            while name in taken or name in reserved:
+                n += 1
+                name = f"{base}_{n}"
+        names[key] = name
+        taken.add(name)
+    return names
 
 
 def _tensor_name(component: str, path: tuple[Any, ...]) -> str:
@@ -365,7 +383,7 @@ def encode_checkpoint(
     if not isinstance(checkpoint, dict):
         raise TypeError(f"a checkpoint must be a dict, got {type(checkpoint).__name__}")
     found: Found = []
-    components: dict[Any, str] = {}
+    components = component_names(list(checkpoint))
 
     def on_tensor(t: torch.Tensor, path: tuple[Any, ...]) -> int:
         found.append((t, components[path[0]], path))
@@ -373,10 +391,7 @@ def encode_checkpoint(
 
     encoder = _Encoder(on_tensor, stores)
     items: list[list[Any]] = []
-    taken: set[str] = set()
     for key, value in checkpoint.items():
-        components[key] = _component_name(key, taken)
-        taken.add(components[key])
         items.append([encoder.encode(key, ()), encoder.encode(value, (key,))])
     encoded_tree: Any
     if all(type(k) is str and not k.startswith("$") for k in checkpoint):
