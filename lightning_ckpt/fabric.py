@@ -31,7 +31,7 @@ from typing_extensions import override
 
 from lightning_ckpt.io import ShardedCheckpointIO
 from lightning_ckpt.remote import is_remote
-from lightning_ckpt.strategies import is_lightning_ckpt
+from lightning_ckpt.strategies import is_lightning_ckpt, spreads_writes
 
 _State = dict[str, Union[Module, Optimizer, Any]]
 
@@ -281,13 +281,7 @@ class ShardedFabricDDPStrategy(_ThroughThePlugin, DDPStrategy):
 
     @override
     def _every_rank_writes(self, path: str) -> bool:
-        io = self.checkpoint_io
-        if self.world_size < 2 or io.spread_writes is False:
-            return False
-        if io.spread_writes is None:  # automatic: every rank sees the folder rank 0 sees only on one node
-            # Spreading needs a folder all ranks share; to a URL without a local tier, rank 0 uploads alone.
-            return self.num_nodes == 1 and not (is_remote(path) and io.remote.local_dir is None)
-        return True
+        return spreads_writes(self.checkpoint_io, self.world_size, self.num_nodes, path)
 
     @override
     def _checkpoint_of(self, state: _State, filter: dict[str, Callable[[str, Any], bool]]) -> dict[str, Any]:

@@ -41,12 +41,21 @@ def sharded_io(strategy: Strategy) -> Any:
     sharded = _sharded_state(strategy)
     if sharded is not None:  # on any number of ranks (one included: the stock path would write DCP files)
         return io if sharded else None
-    if isinstance(strategy, DDPStrategy) and strategy.world_size > 1:
-        spread = io.spread_writes
-        if spread is None:  # automatic: every rank sees the folder rank 0 sees only on one node
-            spread = strategy.num_nodes == 1
-        return io if spread else None
+    if isinstance(strategy, DDPStrategy):
+        return io if spreads_writes(io, strategy.world_size, strategy.num_nodes) else None
     return None
+
+
+def spreads_writes(io: Any, world_size: int, num_nodes: int, path: Optional[_PATH] = None) -> bool:
+    """Do the ranks of a DDP run (Trainer or Fabric) each write part of the replicated state
+    through ``io`` (``ShardedCheckpointIO(spread_writes=...)``)? Automatic (``None``): on one node,
+    where every rank sees the folder rank 0 sees, unless ``path`` is a URL without a local tier
+    (then rank 0 uploads alone)."""
+    if world_size < 2 or io.spread_writes is False:
+        return False
+    if io.spread_writes is None:
+        return num_nodes == 1 and not (path is not None and is_remote(path) and io.remote.local_dir is None)
+    return True
 
 
 def save_sharded(strategy: Strategy, checkpoint: dict[str, Any], filepath: _PATH) -> bool:
@@ -63,8 +72,8 @@ def save_sharded(strategy: Strategy, checkpoint: dict[str, Any], filepath: _PATH
         if strategy.is_global_zero:
             io.save_checkpoint(checkpoint, filepath)
         return True
-    if isinstance(strategy, DDPStrategy) and io.spread_writes is None and is_remote(filepath) and io.remote.local_dir is None:
-        return False  # spreading needs a folder all ranks share; without a local tier rank 0 uploads alone
+    if isinstance(strategy, DDPStrategy) and not spreads_writes(io, strategy.world_size, strategy.num_nodes, filepath):
+        return False  # a URL without a local tier: rank 0 uploads alone
     io.save_sharded(checkpoint, filepath, strategy.global_rank, strategy.world_size, strategy.broadcast)
     return True
 
