@@ -409,8 +409,11 @@ class ChunkedAdamW(Optimizer):
             for i, p in enumerate(chunk.params):
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise ValueError("ChunkedAdamW does not support sparse gradients; use torch.optim.SparseAdam.")
+                if p.grad.layout != torch.strided:
+                    raise ValueError(
+                        "ChunkedAdamW does not support sparse gradients (e.g. `nn.Embedding(sparse=True)`):"
+                        " build the module with `sparse=False`, or use torch.optim.SparseAdam for it."
+                    )
                 self._into_view(chunk, i)
                 if chunk.versions[i] != p._version:  # set or loaded from outside since our write-back
                     self._arena.writable(chunk.spec)
@@ -543,7 +546,8 @@ class _GradMover:
         if optimizer is None or p not in optimizer._where:
             return
         chunk, i = optimizer._where[p]
-        if p.grad is not None and p.grad.data_ptr() != chunk.grads[i].data_ptr():
+        grad = p.grad
+        if grad is not None and grad.layout == torch.strided and grad.data_ptr() != chunk.grads[i].data_ptr():
             chunk.done.wait()  # the buffer is not being read by a step still in flight
             with torch.no_grad():
                 optimizer._into_view(chunk, i)
