@@ -1,0 +1,140 @@
+"""ChunkedAdamW under a real Trainer on the CPU: exactness against torch.optim.AdamW and resumes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from models import trainer_kwargs
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_ckpt as lc
+
+MAX_STEPS = 6  # optimizer steps; 2 batches each (accumulate_grad_batches=2): 3 per epoch
+
+
+class TiedNet(LightningModule):
+    """Two param groups, a frozen layer, a tied embedding/head, StepLR."""
+
+    def __init__(self, chunked: bool, interval: str = "step") -> None:
+        super().__init__()
+        self.chunked = chunked
+        self.interval = interval
+        self.embed = torch.nn.Embedding(11, 13)
+        self.body = torch.nn.Sequential(torch.nn.Linear(13, 37), torch.nn.GELU(), torch.nn.Linear(37, 13))
+        self.frozen = torch.nn.Linear(13, 13)
+        self.frozen.requires_grad_(False)
+        self.head = torch.nn.Linear(13, 11, bias=False)
+        self.head.weight = self.embed.weight
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        logits = self.head(self.frozen(self.body(self.embed(tokens[:, :-1]))))
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 11), tokens[:, 1:].reshape(-1))
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        decay = [self.embed.weight, self.body[0].weight, self.body[2].weight, self.frozen.weight]
+        rest = [self.body[0].bias, self.body[2].bias, self.frozen.bias]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 5e-3}]
+        if self.chunked:
+            optimizer = lc.ChunkedAdamW(groups, lr=2e-2, chunk_size="1KiB")
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=2e-2, fused=True)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": self.interval}}
+
+    def train_dataloader(self):
+        gen = torch.Generator().manual_seed(7)
+        return DataLoader(TensorDataset(torch.randint(0, 11, (24, 6), generator=gen)), batch_size=4)
+
+
+def fit(chunked: bool, max_steps: int = MAX_STEPS, ckpt_path=None, dirpath=None, plugin=None, interval="step", **overrides):
+    seed_everything(0, workers=True)
+    model = TiedNet(chunked, interval)
+    callbacks = [ModelCheckpoint(dirpath=dirpath, every_n_epochs=1, save_top_k=-1)] if dirpath else []
+    kwargs = trainer_kwargs(
+        max_steps=max_steps,
+        gradient_clip_val=0.1,
+        accumulate_grad_batches=2,
+        callbacks=callbacks,
+        enable_checkpointing=bool(dirpath),
+        plugins=[plugin] if plugin is not None else None,
+    )
+    kwargs.update(overrides)
+    trainer = Trainer(**kwargs)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    if chunked:
+        trainer.optimizers[0].wait()
+    return trainer, model
+
+
+def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, x), y in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(x, y), name
+
+
+def test_trainer_weights_equal_torch_adamw_bit_for_bit():
+    _, reference = fit(chunked=False)
+    trainer, model = fit(chunked=True)
+    assert trainer.global_step == MAX_STEPS
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    optimizer = trainer.optimizers[0]
+    assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr() == [2e-2 * 0.5**3, 5e-3 * 0.5**3]
+    assert float(optimizer.state[model.embed.weight]["step"]) == MAX_STEPS
+    assert model.frozen.weight not in optimizer.state
+
+
+def test_trainer_bf16_mixed_within_tolerance():
+    """bf16 autocast (fp32 parameters): the weights agree with fused AdamW to within 1e-6 (equal in
+    practice: the step is exact, only autocast rounds). No clipping here: Lightning refuses it for
+    torch's fused AdamW under a precision plugin (not for ChunkedAdamW, checked after)."""
+    _, reference = fit(chunked=False, precision="bf16-mixed", gradient_clip_val=None)
+    _, model = fit(chunked=True, precision="bf16-mixed", gradient_clip_val=None)
+    for (name, x), y in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-6, msg=name)
+    trainer, _ = fit(chunked=True, precision="bf16-mixed")  # with gradient_clip_val
+    assert trainer.global_step == MAX_STEPS
+
+
+# Resumes at an epoch boundary and without accumulation. With this module, Lightning 2.6's resumed
+# run differs from the uninterrupted one from the first step after the resume with
+# torch.optim.AdamW too (any CheckpointIO, fused or foreach, tied or not): the reference of a
+# resumed ChunkedAdamW run is therefore the same resume with torch.optim.AdamW.
+RESUME = {"accumulate_grad_batches": 1}
+EPOCH = 6  # batches per epoch
+
+
+def first_then_resume(tmp_path, first_chunked: bool, then_chunked: bool, async_save: bool = False):
+    folder = tmp_path / f"{first_chunked}-{then_chunked}"
+    fit(first_chunked, max_steps=EPOCH, dirpath=folder, plugin=lc.ShardedCheckpointIO(async_save=async_save), **RESUME)
+    last = folder / f"epoch=0-step={EPOCH}.ckpt"
+    plugin = lc.ShardedCheckpointIO(async_save=async_save)
+    _, resumed = fit(then_chunked, max_steps=2 * EPOCH, ckpt_path=str(last), plugin=plugin, **RESUME)
+    return lc.load_checkpoint(last), resumed
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_sharded_checkpoint_resume_is_bit_identical(tmp_path, async_save):
+    reference_ckpt, reference = first_then_resume(tmp_path, False, False)
+    saved, resumed = first_then_resume(tmp_path, True, True, async_save)
+    for key, state in reference_ckpt["optimizer_states"][0]["state"].items():
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved["optimizer_states"][0]["state"][key][name], state[name]), (key, name)
+    assert saved["optimizer_states"][0]["param_groups"] == reference_ckpt["optimizer_states"][0]["param_groups"]
+    assert resumed.losses == reference.losses
+    assert_same(resumed, reference)
+
+
+@pytest.mark.parametrize("chunked_first", [True, False])
+def test_checkpoints_resume_across_torch_adamw_and_chunked(tmp_path, chunked_first):
+    _, reference = first_then_resume(tmp_path, False, False)
+    _, resumed = first_then_resume(tmp_path, chunked_first, not chunked_first)
+    assert resumed.losses == reference.losses
+    assert_same(resumed, reference)
