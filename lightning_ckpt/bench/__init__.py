@@ -31,6 +31,7 @@ MODES: dict[str, tuple[str, str]] = {
     "activations": ("activations", "activation checkpointing: peak activation memory and step time"),
     "fragmentation": ("fragmentation", "CUDA: what emptying the allocator's cache after saves does to the next steps"),
     "remote": ("remote", "s3:// saves and loads against a local moto S3 server: stall, durable time, upload GB/s, memory"),
+    "offload": ("offload", "ChunkedAdamW's optimizer step against torch.optim.AdamW foreach / fused and the memory-bandwidth floor"),
     "compression": ("compression", "zstd on trained weights and AdamW state: ratio and MB/s per component, s3:// saves with and without"),
 }
 DEFAULT_MODE = "save"
