@@ -108,6 +108,10 @@ class _Worker:
     def stop(self) -> None:
         self.jobs.put(None)
 
+    def join(self) -> None:
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
 
 class _Stepper:
     """What the worker thread does to one chunk: gradients to the host, the kernel, write-back.
@@ -531,7 +535,10 @@ class ChunkedAdamW(Optimizer):
 
 
 def _shutdown(worker: _Worker, arena: HostArena) -> None:
+    """The optimizer is gone: end the worker, then release the arena (its file descriptor)."""
     worker.stop()
+    worker.join()
+    arena.close()
 
 
 class _GradMover:
