@@ -92,14 +92,15 @@ class _Worker:
     def __init__(self, run: Callable[[_Job], None]) -> None:
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.error: tuple[_Job, BaseException] | None = None
-        self._thread = threading.Thread(target=self._loop, args=(run,), name="lightning_ckpt-adamw", daemon=True)
+        self.run = run  # what the thread does to each job (tests wrap it to inject delays)
+        self._thread = threading.Thread(target=self._loop, name="lightning_ckpt-adamw", daemon=True)
         self._thread.start()
 
-    def _loop(self, run: Callable[[_Job], None]) -> None:
+    def _loop(self) -> None:
         while (job := self.jobs.get()) is not None:
             try:
                 if self.error is None:  # after a failure, later chunks are released unstepped
-                    run(job)
+                    self.run(job)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
                 self.error = (job, exc)
             finally:

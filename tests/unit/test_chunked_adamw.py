@@ -249,3 +249,46 @@ def test_a_worker_failure_surfaces_at_the_next_step_and_nothing_hangs():
     assert "chunk 0" in str(errors[0]) and "restore" in str(errors[0])
     with pytest.raises(ChunkedAdamWError):  # and it stays
         net(torch.ones(4))
+
+
+def test_the_next_forward_and_state_dict_wait_for_a_delayed_worker():
+    """Under an injected delay (the worker is held until the forward has begun), the step runs
+    after step() returned and the next forward and model.state_dict() still see updated weights."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(7, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
+    ref = copy.deepcopy(net)
+    opt = ChunkedAdamW(net.parameters(), lr=1e-2, chunk_size=64)
+    ref_opt = ChunkedAdamW(ref.parameters(), lr=1e-2, chunk_size=64, overlap=False)
+    gate = threading.Event()
+    run = opt._worker.run
+
+    def delayed(job) -> None:
+        gate.wait()
+        run(job)
+
+    opt._worker.run = delayed
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        x = torch.randn(5, 7, generator=g)
+        loss = net(x).pow(2).sum()
+        ref_loss = ref(x).pow(2).sum()
+        assert torch.equal(loss, ref_loss), step
+        opt.zero_grad()  # Lightning's order: after the forward (zero_grad waits for every chunk)
+        ref_opt.zero_grad()
+        loss.backward()
+        ref_loss.backward()
+        gate.clear()
+        opt.step()
+        assert not all(c.done.is_set() for c in opt._chunks)  # held: stepping goes on after step()
+        threading.Timer(0.05, gate.set).start()  # released while the main thread goes on
+        ref_opt.step()
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    net(torch.ones(7)).sum().backward()
+    ref(torch.ones(7)).sum().backward()
+    gate.clear()
+    opt.step()
+    ref_opt.step()
+    threading.Timer(0.05, gate.set).start()
+    for (key, value), expected in zip(net.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(value, expected), key
