@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_ckpt.offload.chunks import MASTER_DTYPE, ChunkSpec, HostArena, Layout, plan_chunks
+from lightning_ckpt.offload.chunks import MASTER_DTYPE, ChunkSpec, HostArena, assign_owners, plan_chunks, restrict
 from lightning_ckpt.plan import parse_size
 
 # Flags of torch.optim.AdamW this optimizer does not implement; the value it has instead.
@@ -59,11 +59,13 @@ class _Chunk:
     params: list[torch.Tensor]
     grad_buffer: torch.Tensor  # flat, on the parameters' device, in their dtype
     grads: list[torch.Tensor]  # views of grad_buffer with the parameters' shapes
-    master_flat: torch.Tensor  # the chunk's fp32 master weights in the arena
+    master_flat: torch.Tensor  # the chunk's fp32 master weights in the arena (empty: not owned)
     master: list[torch.Tensor]  # views of master_flat / the moments with the parameters' shapes
     exp_avg: list[torch.Tensor]
     exp_avg_sq: list[torch.Tensor]
     versions: list[int | None]  # each parameter's ``_version`` when master last matched it
+    owner: int = 0  # the rank holding and stepping this chunk's state (sharded mode)
+    owned: bool = True
     done: threading.Event = field(default_factory=threading.Event)
     synchronous: bool = True  # holds a parameter not seen in a module's forward: step() waits
     cuda_done: Any = None  # torch.cuda.Event after the last write-back (CUDA only)
@@ -123,8 +125,10 @@ class _Stepper:
     synchronized (D2H) or stream-ordered (H2D) before the next chunk reuses them.
     """
 
-    def __init__(self, arena: HostArena, largest: int, device: torch.device) -> None:
+    def __init__(self, arena: HostArena, largest: int, device: torch.device, group: Any = None) -> None:
         self.arena = arena
+        self.group = group  # sharded mode: owners broadcast updated master chunks over it
+        self.last_write: Any = None  # CUDA: the event after the last write-back
         self.cuda = device.type == "cuda"
         self.host_grad = torch.empty(largest, dtype=MASTER_DTYPE, pin_memory=self.cuda)
         if self.cuda:
@@ -148,31 +152,38 @@ class _Stepper:
         slots = c.spec.slots
         return [flat[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]) for i in job.members]
 
-    def _write_back(self, job: _Job) -> None:
+    def _write_back(self, job: _Job, source: torch.Tensor) -> None:
+        """Updated fp32 values of the chunk (``source``: host, flat) into its parameters."""
         c = job.chunk
+        slots = c.spec.slots
         with torch.no_grad():
             if self.cuda:
                 with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
                     flat = self.device_master[: c.spec.numel]
-                    flat.copy_(c.master_flat, non_blocking=True)
-                    slots = c.spec.slots
+                    flat.copy_(source, non_blocking=True)
                     for i in job.members:
                         c.params[i].copy_(flat[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]))
                     event = torch.cuda.Event()
                     event.record(self.h2d)
-                # Until ``event``, the copy reads this chunk's host master: its next step waits.
-                c.cuda_done = event
+                # Until ``event`` the copy reads ``source``: the next job waits for it first.
+                c.cuda_done = self.last_write = event
             else:
                 for i in job.members:
-                    c.params[i].copy_(c.master[i])
+                    c.params[i].copy_(source[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]))
         for i in job.members:
             c.versions[i] = c.params[i]._version
 
     def __call__(self, job: _Job) -> None:
         c = job.chunk
+        if self.last_write is not None:
+            self.last_write.synchronize()  # host buffers read by the last H2D copy are free again
+        if not c.owned:  # sharded mode: the owner steps it; its updated values arrive here
+            torch._foreach_add_(job.steps, 1)
+            received = self.host_grad[: c.spec.numel]
+            torch.distributed.broadcast(received, src=c.owner, group=self.group)
+            self._write_back(job, received)
+            return
         self.arena.writable(c.spec)
-        if self.cuda and c.cuda_done is not None:
-            c.cuda_done.synchronize()
         grads = self._host_grads(job)
         # As torch.optim.AdamW(fused=True) does: steps first, then the kernel, one call per chunk
         # with the parameters' own views (the kernel's vector body and scalar tail then cover the
@@ -193,7 +204,9 @@ class _Stepper:
             amsgrad=False,
             maximize=False,
         )
-        self._write_back(job)
+        if self.group is not None:
+            torch.distributed.broadcast(c.master_flat, src=c.owner, group=self.group)
+        self._write_back(job, c.master_flat)
 
 
 def _reject_unsupported(options: dict[str, Any], where: str) -> None:
@@ -222,6 +235,10 @@ class ChunkedAdamW(Optimizer):
         overlap: step chunks in the background while the next forward runs (each module's forward
             waits for the chunks of its own parameters). ``False``: ``step()`` returns after the
             last chunk is written back.
+        shard_across_ranks: when ``torch.distributed`` is initialized with several ranks (DDP), each
+            rank holds and steps only its share of the chunks and the owners broadcast the updated
+            values (over a gloo group of their own). Gradients must already be averaged across
+            ranks, as DDP does. ``False``: every rank holds and steps everything.
         amsgrad, maximize, foreach, capturable, differentiable, fused: accepted for drop-in use of
             AdamW's arguments; anything but AdamW's defaults (``foreach``/``fused``: any value) is
             refused.
@@ -236,6 +253,7 @@ class ChunkedAdamW(Optimizer):
         weight_decay: float = 1e-2,
         chunk_size: int | str = "64MiB",
         overlap: bool = True,
+        shard_across_ranks: bool = True,
         amsgrad: bool = False,
         maximize: bool = False,
         foreach: bool | None = None,
@@ -262,7 +280,7 @@ class ChunkedAdamW(Optimizer):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, **_FIXED}
         super().__init__(params, defaults)
         self._overlap = overlap
-        self._build(chunk_bytes // 4)
+        self._build(chunk_bytes // 4, shard_across_ranks)
         self._built = True
 
     # -- construction -------------------------------------------------------------------------
@@ -287,7 +305,7 @@ class ChunkedAdamW(Optimizer):
             self.param_groups[-1][key] = value
         self.param_groups[-1]["betas"] = tuple(self.param_groups[-1]["betas"])
 
-    def _build(self, chunk_numel: int) -> None:
+    def _build(self, chunk_numel: int, shard: bool) -> None:
         packed: list[tuple[int, torch.Tensor]] = []
         devices = set()
         seen: set[torch.Tensor] = set()  # a parameter listed twice (tied) is packed and stepped once
@@ -304,6 +322,16 @@ class ChunkedAdamW(Optimizer):
             )
         self.device = devices.pop() if devices else torch.device("cpu")
         layout = plan_chunks([(g, p.numel(), p.dtype) for g, p in packed], chunk_numel)
+        dist = torch.distributed
+        self._group = None  # sharded mode: the group the owners broadcast over
+        owners = (0,) * len(layout.chunks)
+        rank = 0
+        if shard and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # Collective: every rank builds its optimizer (configure_optimizers runs on each).
+            self._group = dist.new_group(backend="gloo")
+            rank = dist.get_rank()
+            owners = assign_owners(layout, dist.get_world_size())
+            layout = restrict(layout, {i for i, owner in enumerate(owners) if owner == rank})
         self.layout = layout
         self._arena = HostArena(layout, pin=self.device.type == "cuda")
         self._chunks: list[_Chunk] = []
@@ -311,24 +339,28 @@ class ChunkedAdamW(Optimizer):
         for spec in layout.chunks:
             params = [packed[s.param][1] for s in spec.slots]
             buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=self.device)
-            master_flat, avg, avg_sq = self._arena.tensors(spec)
+            owned = owners[spec.index] == rank
+            empty = torch.empty(0, dtype=MASTER_DTYPE)
+            master_flat, avg, avg_sq = self._arena.tensors(spec) if owned else (empty, empty, empty)
 
             def views(flat: torch.Tensor) -> list[torch.Tensor]:
+                if flat.numel() == 0:
+                    return []
                 return [flat[s.offset : s.offset + s.numel].view(p.shape) for s, p in zip(spec.slots, params)]
 
             chunk = _Chunk(
                 spec, params, buffer, views(buffer), master_flat, views(master_flat), views(avg), views(avg_sq),
-                [None] * len(params),
+                [None] * len(params), owners[spec.index], owned,
             )
             self._chunks.append(chunk)
             for i, p in enumerate(params):
                 self._where[p] = (chunk, i)
                 p.register_post_accumulate_grad_hook(_GradMover(weakref.ref(self)))
         largest = max((s.numel for s in layout.chunks), default=0)
-        self._worker = _Worker(_Stepper(self._arena, largest, self.device))
+        self._worker = _Worker(_Stepper(self._arena, largest, self.device, self._group))
         weakref.finalize(self, _shutdown, self._worker, self._arena)
         self._hooked: set[int] = set()  # ids of modules given wait hooks
-        self._owned: set[torch.Tensor] = set()  # parameters a hooked module's forward waits for
+        self._awaited: set[torch.Tensor] = set()  # parameters a hooked module's forward waits for
         self._discovery = (
             torch.nn.modules.module.register_module_forward_pre_hook(_Discover(weakref.ref(self)))
             if self._overlap
@@ -376,7 +408,7 @@ class ChunkedAdamW(Optimizer):
         for chunk in chunks:
             for p in module._parameters.values():
                 if p is not None and self._where.get(p, (None,))[0] is chunk:
-                    self._owned.add(p)
+                    self._awaited.add(p)
         waiter = _ChunkWaiter(weakref.ref(self), chunks)
         module.register_forward_pre_hook(waiter)
         module.register_state_dict_pre_hook(waiter)
@@ -395,7 +427,7 @@ class ChunkedAdamW(Optimizer):
             self._discovery.remove()
             self._discovery = None
             for chunk in self._chunks:
-                chunk.synchronous = not all(p in self._owned for p in chunk.params)
+                chunk.synchronous = not all(p in self._awaited for p in chunk.params)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and p not in self._where:
@@ -420,7 +452,7 @@ class ChunkedAdamW(Optimizer):
                         " build the module with `sparse=False`, or use torch.optim.SparseAdam for it."
                     )
                 self._into_view(chunk, i)
-                if chunk.versions[i] != p._version:  # set or loaded from outside since our write-back
+                if chunk.owned and chunk.versions[i] != p._version:  # set or loaded from outside
                     self._arena.writable(chunk.spec)
                     chunk.master[i].copy_(p.detach())
                     chunk.versions[i] = p._version
@@ -446,8 +478,9 @@ class ChunkedAdamW(Optimizer):
         state = self.state[p]
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = chunk.exp_avg[i]
-            state["exp_avg_sq"] = chunk.exp_avg_sq[i]
+            if chunk.owned:  # sharded mode: other ranks keep the step count only
+                state["exp_avg"] = chunk.exp_avg[i]
+                state["exp_avg_sq"] = chunk.exp_avg_sq[i]
         return state
 
     def _into_view(self, chunk: _Chunk, i: int) -> None:
@@ -483,9 +516,33 @@ class ChunkedAdamW(Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch's AdamW format: per parameter ``step``, ``exp_avg``, ``exp_avg_sq`` (the params'
-        shapes, fp32, viewing the host arena: copy them to keep a snapshot across steps)."""
+        shapes, fp32, viewing the host arena: copy them to keep a snapshot across steps).
+
+        Sharded mode: a collective (every rank calls it, as Lightning's checkpointing does); the
+        owners broadcast their chunks' moments, so every rank returns the whole state.
+        """
         self.wait()
-        return super().state_dict()
+        packed = super().state_dict()
+        if self._group is None:
+            return packed
+        index = _torch_indices(self.param_groups)
+        for chunk in self._chunks:
+            stateful = [i for i, p in enumerate(chunk.params) if "step" in self.state.get(p, {})]
+            if not stateful:  # the same on every rank: step counts are kept everywhere
+                continue
+            n = chunk.spec.numel
+            if chunk.owned:
+                _, avg, avg_sq = self._arena.tensors(chunk.spec)
+                both = torch.cat([avg, avg_sq])
+            else:
+                both = torch.empty(2 * n, dtype=MASTER_DTYPE)
+            torch.distributed.broadcast(both, src=chunk.owner, group=self._group)
+            for i in stateful:
+                slot, p = chunk.spec.slots[i], chunk.params[i]
+                entry = packed["state"][index[id(p)]]
+                entry["exp_avg"] = both[slot.offset : slot.offset + slot.numel].view(p.shape)
+                entry["exp_avg_sq"] = both[n + slot.offset : n + slot.offset + slot.numel].view(p.shape)
+        return packed
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``torch.optim.AdamW`` (or ``ChunkedAdamW``) state dict: hyper-parameters per group,
@@ -515,10 +572,12 @@ class ChunkedAdamW(Optimizer):
                 continue  # state of a parameter frozen here: nothing to step
             chunk, i = self._where[p]
             state = self._state_of(chunk, i)
-            self._arena.writable(chunk.spec)
+            if chunk.owned:
+                self._arena.writable(chunk.spec)
             state["step"].fill_(float(saved_state["step"]))
-            state["exp_avg"].copy_(saved_state["exp_avg"].reshape(p.shape))
-            state["exp_avg_sq"].copy_(saved_state["exp_avg_sq"].reshape(p.shape))
+            if chunk.owned:
+                state["exp_avg"].copy_(saved_state["exp_avg"].reshape(p.shape))
+                state["exp_avg_sq"].copy_(saved_state["exp_avg_sq"].reshape(p.shape))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         raise TypeError("ChunkedAdamW cannot be unpickled or deep-copied: save its state_dict() instead.")
@@ -533,6 +592,17 @@ class ChunkedAdamW(Optimizer):
     @property
     def pinned_bytes(self) -> int:
         return self._arena.pinned_bytes
+
+
+def _torch_indices(groups: list[dict[str, Any]]) -> dict[int, int]:
+    """id(parameter) -> its index in a state dict, numbered as ``torch.optim.Optimizer`` does."""
+    index: dict[int, int] = {}
+    start = 0
+    for group in groups:
+        for i, p in enumerate(group["params"], start):
+            index.setdefault(id(p), i)
+        start += len(group["params"])
+    return index
 
 
 def _shutdown(worker: _Worker, arena: HostArena) -> None:

@@ -13,7 +13,7 @@ Nothing here imports Lightning.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -94,6 +94,33 @@ def plan_chunks(params: Sequence[tuple[int, int, torch.dtype]], chunk_numel: int
         spec = ChunkSpec(i, group, dtype, tuple(slots), numel, offset)
         chunks.append(spec)
         offset = spec.host_end
+    return Layout(tuple(chunks), offset)
+
+
+def assign_owners(layout: Layout, world_size: int) -> tuple[int, ...]:
+    """Pure: the rank owning each chunk (in layout order, each to the least-loaded rank by
+    elements, ties to the lowest rank). Every rank computes the same answer from the same layout."""
+    load = [0] * world_size
+    owners = []
+    for spec in layout.chunks:
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners.append(rank)
+        load[rank] += spec.numel
+    return tuple(owners)
+
+
+def restrict(layout: Layout, keep: set[int]) -> Layout:
+    """Pure: ``layout`` with host memory for the chunks in ``keep`` only (the others get
+    ``host_offset=-1``): a rank's arena holds the state of the chunks it owns."""
+    offset = 0
+    chunks = []
+    for spec in layout.chunks:
+        if spec.index in keep:
+            spec = replace(spec, host_offset=offset)
+            offset = spec.host_end
+        else:
+            spec = replace(spec, host_offset=-1)
+        chunks.append(spec)
     return Layout(tuple(chunks), offset)
 
 

@@ -292,3 +292,16 @@ def test_the_next_forward_and_state_dict_wait_for_a_delayed_worker():
     threading.Timer(0.05, gate.set).start()
     for (key, value), expected in zip(net.state_dict().items(), ref.state_dict().values()):
         assert torch.equal(value, expected), key
+
+
+def test_owners_balance_chunks_and_a_rank_holds_only_its_own():
+    from lightning_ckpt.offload.chunks import assign_owners, restrict
+
+    layout = plan_chunks([(0, n, torch.float32) for n in (50, 10, 10, 40, 30)], 50)
+    assert [c.numel for c in layout.chunks] == [50, 20, 40, 30]
+    owners = assign_owners(layout, 2)
+    assert owners == (0, 1, 1, 0)  # least-loaded rank first: loads 80 and 60
+    mine = restrict(layout, {i for i, o in enumerate(owners) if o == 1})
+    assert [c.host_offset for c in mine.chunks][0] == -1 and mine.chunks[1].host_offset == 0
+    assert mine.chunks[2].host_offset == mine.chunks[1].host_end and mine.nbytes == mine.chunks[2].host_end
+    assert mine.nbytes < layout.nbytes
