@@ -22,7 +22,6 @@ A failure in the worker is raised at the next wait (the next forward or ``step()
 state is no longer consistent (earlier chunks of that step were applied).
 """
 
-from __future__ import annotations
 
 import queue
 import threading
@@ -43,7 +42,6 @@ _UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "diffe
 # names the implementation whose arithmetic this one reproduces: AdamW resumed from our state
 # dict continues with it, bit for bit on the CPU.
 _FIXED = {**_UNSUPPORTED, "foreach": None, "fused": True, "decoupled_weight_decay": True}
-_HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
 class ChunkedAdamWError(RuntimeError):

@@ -138,3 +138,49 @@ def test_checkpoints_resume_across_torch_adamw_and_chunked(tmp_path, chunked_fir
     _, resumed = first_then_resume(tmp_path, chunked_first, not chunked_first)
     assert resumed.losses == reference.losses[EPOCH:]
     assert_same(resumed, reference)
+
+
+class PlainNet(LightningModule):
+    """No configure_optimizers: LightningCLI adds one from the config's ``optimizer``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(5, 1)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.layer(x).pow(2).mean()
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(8, 5)), batch_size=4)
+
+
+def test_chunked_adamw_from_a_lightning_cli_config(tmp_path):
+    pytest.importorskip("jsonargparse")
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"""
+trainer:
+  default_root_dir: {tmp_path}
+  max_steps: 2
+  accelerator: cpu
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+optimizer:
+  class_path: lightning_ckpt.ChunkedAdamW
+  init_args:
+    lr: 0.01
+    weight_decay: 0.0
+    chunk_size: 1KiB
+"""
+    )
+    cli = LightningCLI(PlainNet, args=["fit", "--config", str(config)], save_config_callback=None)
+    (optimizer,) = cli.trainer.optimizers
+    assert isinstance(optimizer, lc.ChunkedAdamW)
+    optimizer.wait()  # the last step may still be running: optimizer.state is read directly below
+    assert optimizer.param_groups[0]["lr"] == 0.01 and optimizer.param_groups[0]["weight_decay"] == 0.0
+    assert cli.trainer.global_step == 2 and float(optimizer.state[cli.model.layer.weight]["step"]) == 2
