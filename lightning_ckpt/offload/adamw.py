@@ -22,7 +22,6 @@ A failure in the worker is raised at the next wait (the next forward or ``step()
 state is no longer consistent (earlier chunks of that step were applied).
 """
 
-
 import queue
 import threading
 import weakref

@@ -184,3 +184,24 @@ optimizer:
     optimizer.wait()  # the last step may still be running: optimizer.state is read directly below
     assert optimizer.param_groups[0]["lr"] == 0.01 and optimizer.param_groups[0]["weight_decay"] == 0.0
     assert cli.trainer.global_step == 2 and float(optimizer.state[cli.model.layer.weight]["step"]) == 2
+
+
+def test_fabric_training_equals_torch_adamw():
+    from lightning.fabric import Fabric
+
+    results = []
+    for chunked in (True, False):
+        fabric = Fabric(accelerator="cpu", devices=1)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(7, 19), torch.nn.ReLU(), torch.nn.Linear(19, 2))
+        optimizer = lc.ChunkedAdamW(model.parameters(), lr=1e-2, chunk_size=256) if chunked else torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        model, optimizer = fabric.setup(model, optimizer)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(5):
+            loss = model(torch.randn(4, 7, generator=g)).pow(2).mean()
+            fabric.backward(loss)
+            fabric.clip_gradients(model, optimizer, max_norm=0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(results[0], results[1])
