@@ -207,6 +207,10 @@ def test_refusals_with_a_fix():
     net = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="amsgrad.*param group"):
         ChunkedAdamW([{"params": net.parameters(), "amsgrad": True}])
+    with pytest.raises(ValueError, match="one device"):
+        ChunkedAdamW([net.weight, torch.nn.Parameter(torch.zeros(2, device="meta"))])
+    with pytest.raises(ValueError, match="`lr=-1"):
+        ChunkedAdamW([net.weight], lr=-1.0)
     opt = ChunkedAdamW([net.weight])
     with pytest.raises(ValueError, match="add_param_group"):
         opt.add_param_group({"params": [net.bias]})
