@@ -29,6 +29,7 @@ _LAZY = {
     "ActivationCheckpointingError": "lightning_ckpt.activation",
     "apply_activation_checkpointing": "lightning_ckpt.activation",
     "remove_activation_checkpointing": "lightning_ckpt.activation",
+    "ChunkedAdamW": "lightning_ckpt.offload",
     "ShardedCheckpointIO": "lightning_ckpt.io",
     "ShardedModelCheckpoint": "lightning_ckpt.callback",
     "ShardedFabricDDPStrategy": "lightning_ckpt.fabric",
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
         remove_activation_checkpointing,
     )
     from lightning_ckpt.callback import ShardedModelCheckpoint
+    from lightning_ckpt.offload import ChunkedAdamW
     from lightning_ckpt.distributed import ShardedStorageReader
     from lightning_ckpt.fabric import (
         ShardedFabricDDPStrategy,
@@ -88,6 +90,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointWriteError",
+    "ChunkedAdamW",
     "CorruptCheckpointError",
     "MissingDependencyError",
     "ShardedCheckpointIO",

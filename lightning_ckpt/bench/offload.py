@@ -1,0 +1,265 @@
+"""``bench --mode offload``: the optimizer step of ``ChunkedAdamW`` against ``torch.optim.AdamW``.
+
+CPU rows (``--device cpu``, the default): optimizer step throughput in parameters/s on the same
+state (fp32 parameters of ``--params`` elements in tensors of ``--tensor-size``, gradients set
+once) for ``ChunkedAdamW`` (``overlap=False``: the step as the worker runs it, with the
+write-back), ``torch.optim.AdamW`` foreach and fused, and the host memory-bandwidth floor: the
+28 bytes per parameter an AdamW step must move (read parameter, gradient and both moments, write
+parameter and both moments) at the bandwidth of a ``copy_`` between two preallocated buffers.
+
+GPU rows (``--device cuda``): whole training steps (forward and backward under bf16 autocast,
+optimizer step) of a stack of ``--layers`` linear layers of ``--width`` on ``--batch`` rows, for
+AdamW on the GPU (fused), ``ChunkedAdamW``, FSDP2 ``fully_shard(offload_policy=CPUOffloadPolicy())``
+on one rank, and torchao's ``CPUOffloadOptimizer`` when torchao is importable: step time, peak
+device memory, host RSS and page-locked bytes. Medians of ``--repeats`` runs of ``--steps`` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lightning_ckpt.bench.measure import median
+from lightning_ckpt.bench.report import (
+    add_json_argument,
+    emit_report,
+    fmt,
+    machine_info,
+    parse_count,
+    report_header,
+    version,
+)
+
+STEP_BYTES_PER_PARAM = 28  # AdamW: read p, g, m, v; write p, m, v (fp32)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lightning_ckpt bench --mode offload", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", default="64M", help="parameters in the state (e.g. 64M, 1B)")
+    parser.add_argument("--tensor-size", default="4M", help="elements per parameter tensor")
+    parser.add_argument("--chunk-size", default="64MiB", help="ChunkedAdamW's chunk_size")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per contender (medians are reported)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--width", type=int, default=4096, help="--device cuda: layer width")
+    parser.add_argument("--layers", type=int, default=16, help="--device cuda: linear layers")
+    parser.add_argument("--batch", type=int, default=8192, help="--device cuda: rows per step")
+    add_json_argument(parser)
+    return parser
+
+
+def _params(total: int, tensor: int, device: str) -> list[Any]:
+    import torch
+
+    sizes = [tensor] * (total // tensor) + ([total % tensor] if total % tensor else [])
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for n in sizes:
+        p = torch.nn.Parameter(torch.randn(n, generator=gen).to(device))
+        p.grad = torch.randn(n, generator=gen).to(device) * 1e-3
+        params.append(p)
+    return params
+
+
+def _time_steps(step: Callable[[], None], steps: int, sync: Callable[[], None]) -> float:
+    step()  # the first step allocates the state: not timed
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return (time.perf_counter() - start) / steps
+
+
+def _contenders(chunk_size: str) -> dict[str, Callable[[list[Any]], Any]]:
+    import torch
+
+    from lightning_ckpt import ChunkedAdamW
+
+    return {
+        "ChunkedAdamW": lambda ps: ChunkedAdamW(ps, chunk_size=chunk_size, overlap=False),
+        "AdamW fused": lambda ps: torch.optim.AdamW(ps, fused=True),
+        "AdamW foreach": lambda ps: torch.optim.AdamW(ps, foreach=True),
+    }
+
+
+def copy_bandwidth(nbytes: int, repeats: int) -> float:
+    """Bytes/s moved (read + written) by ``copy_`` between two preallocated host buffers."""
+    import torch
+
+    src = torch.ones(nbytes // 4)
+    dst = torch.zeros_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / (median(times) or float("inf"))
+
+
+def _gpu_contenders(chunk_size: str) -> dict[str, Callable[[Any], tuple[Any, Any]]]:
+    """name -> (model on the GPU) -> (model to train, optimizer)."""
+    import torch
+
+    from lightning_ckpt import ChunkedAdamW
+
+    def fsdp2(model: Any) -> tuple[Any, Any]:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        if not dist.is_initialized():
+            path = os.path.join(os.getcwd(), ".bench-offload-store")
+            if os.path.exists(path):  # a FileStore left over from an earlier run would be joined
+                os.remove(path)
+            store = dist.FileStore(path, 1)
+            dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, offload_policy=CPUOffloadPolicy())
+        fully_shard(model, offload_policy=CPUOffloadPolicy())
+        return model, torch.optim.AdamW(model.parameters())
+
+    contenders = {
+        "AdamW on the GPU (fused)": lambda model: (model, torch.optim.AdamW(model.parameters(), fused=True)),
+        "ChunkedAdamW": lambda model: (model, ChunkedAdamW(model.parameters(), chunk_size=chunk_size)),
+        "FSDP2 CPUOffloadPolicy": fsdp2,
+    }
+    try:
+        from torchao.optim import CPUOffloadOptimizer
+    except ImportError:
+        return contenders
+
+    contenders[f"torchao CPUOffloadOptimizer {version('torchao')}"] = lambda model: (
+        model, CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, fused=True)
+    )
+    return contenders
+
+
+def run_gpu(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Training steps of a linear stack under bf16 autocast, per contender (see the module doc)."""
+    import torch
+
+    from lightning_ckpt.bench.measure import proc_status
+
+    rows = []
+    for name, make in _gpu_contenders(args.chunk_size).items():
+        seconds, peaks, rss, pinned = [], [], [], []
+        for _ in range(args.repeats):
+            torch.manual_seed(0)
+            layers: list[torch.nn.Module] = []
+            for _ in range(args.layers):
+                layers += [torch.nn.Linear(args.width, args.width), torch.nn.GELU()]
+            model, optimizer = make(torch.nn.Sequential(*layers).cuda())
+            x = torch.randn(args.batch, args.width, device="cuda")
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+            def step() -> None:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(x).float().pow(2).mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+
+            step()  # state allocated
+            seconds.append(_time_steps(step, args.steps, torch.cuda.synchronize))
+            peaks.append(torch.cuda.max_memory_allocated())
+            rss.append(proc_status().get("VmRSS", 0))
+            pinned.append(getattr(optimizer, "pinned_bytes", None))
+            del model, optimizer, x
+            torch.cuda.empty_cache()
+        params = args.layers * (args.width * args.width + args.width)
+        step_s = median(seconds)
+        rows.append({
+            "contender": name,
+            "params": params,
+            "step_seconds": seconds,
+            "median_step_seconds": step_s,
+            "params_per_second": params / step_s if step_s else None,
+            "peak_device_bytes": median(peaks),
+            "device_bytes_per_param": (median(peaks) or 0) / params,
+            "host_rss_bytes": median(rss),
+            "pinned_bytes": pinned[-1],
+        })
+    return rows
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The CPU rows: the optimizer step alone, per contender, and the bandwidth floor."""
+    total = parse_count(args.params, "--params")
+    tensor = parse_count(args.tensor_size, "--tensor-size")
+    rows = []
+    for name, make in _contenders(args.chunk_size).items():
+        seconds = []
+        for _ in range(args.repeats):
+            params = _params(total, tensor, "cpu")
+            optimizer = make(params)
+            seconds.append(_time_steps(optimizer.step, args.steps, lambda: None))
+            del optimizer, params
+        step_s = median(seconds)
+        rows.append({
+            "contender": name,
+            "step_seconds": seconds,
+            "median_step_seconds": step_s,
+            "params_per_second": total / step_s if step_s else None,
+        })
+    bandwidth = copy_bandwidth(min(total * 4, 1 << 30), max(3, args.repeats))
+    floor_s = total * STEP_BYTES_PER_PARAM / bandwidth
+    rows.append({
+        "contender": "bandwidth floor",
+        "copy_bytes_per_second": bandwidth,
+        "median_step_seconds": floor_s,
+        "params_per_second": total / floor_s,
+    })
+    floor = rows[-1]["params_per_second"]
+    foreach = next(r["params_per_second"] for r in rows if r["contender"] == "AdamW foreach")
+    for row in rows:
+        row["vs_floor"] = row["params_per_second"] / floor if row["params_per_second"] else None
+        row["vs_foreach"] = row["params_per_second"] / foreach if row["params_per_second"] and foreach else None
+    return rows
+
+
+def render_table(rows: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="optimizer step (medians)")
+    for column in ("contender", "step s", "Mparams/s", "x floor", "x foreach", "peak device MB", "host RSS MB", "pinned MB"):
+        table.add_column(column, justify="left" if column == "contender" else "right")
+    for row in rows:
+        pps = row.get("params_per_second")
+        peak = row.get("peak_device_bytes")
+        table.add_row(
+            row["contender"],
+            fmt(row.get("median_step_seconds"), 4),
+            fmt(pps / 1e6 if pps else None, 1),
+            fmt(row.get("vs_floor")),
+            fmt(row.get("vs_foreach")),
+            fmt(peak / 2**20 if peak else None, 1),
+            fmt(row["host_rss_bytes"] / 2**20 if row.get("host_rss_bytes") else None, 1),
+            fmt(row["pinned_bytes"] / 2**20 if row.get("pinned_bytes") is not None else None, 1),
+        )
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench --mode offload --device cuda needs a CUDA device; run without --device for the CPU rows.", file=sys.stderr)
+        return 2
+    started = time.time()
+    rows = run_gpu(args) if args.device == "cuda" else run(args)
+    settings = {k: v for k, v in vars(args).items() if k != "json_path"}
+    report = {**report_header(argv, started), "settings": settings, "machine": machine_info(os.getcwd(), cuda=args.device == "cuda"), "results": rows}
+    emit_report(render_table(rows), report, args.json_path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,653 @@
+"""``ChunkedAdamW``: AdamW whose state lives in chunked host memory and is stepped by a CPU worker.
+
+Call order, per training step (the main thread unless said otherwise):
+
+1. forward: a module's forward pre-hook waits for the chunks holding its own parameters (only
+   those still being stepped); backward: each parameter's post-accumulate-grad hook moves a fresh
+   gradient into its view of the chunk's flat gradient buffer (gradients accumulated into an
+   existing view need nothing).
+2. ``step()``: runs the closure, waits for the previous step, moves any gradient that is not a
+   view yet, snapshots each group's hyper-parameters (the ``lr`` as it is now, so schedulers work)
+   and queues every chunk holding a gradient for the worker thread.
+3. worker thread, chunk by chunk in layout order: gradient chunk to the host (CUDA: a copy on a
+   side stream; CPU: the buffer already is host memory and is used in place, or upcast into one
+   host fp32 buffer when the parameters are not fp32), torch's fused CPU AdamW kernel on the
+   chunk's per-parameter views, the master weights written back into the parameters (CUDA: on
+   another stream, an event recorded after), then the chunk is marked done.
+4. The next forward waits per chunk (1.); ``zero_grad``, ``state_dict``, ``load_state_dict`` and
+   ``step`` wait for every chunk. Parameters never seen in a module's forward before the first
+   ``step()`` are stepped before ``step()`` returns.
+
+A failure in the worker is raised at the next wait (the next forward or ``step()``) and stays: the
+state is no longer consistent (earlier chunks of that step were applied).
+"""
+
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_ckpt.offload.chunks import MASTER_DTYPE, ChunkSpec, HostArena, assign_owners, plan_chunks, restrict
+from lightning_ckpt.plan import parse_size
+
+# Flags of torch.optim.AdamW this optimizer does not implement; the value it has instead.
+_UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
+# Keys torch.optim.AdamW keeps in every group (so a state dict loads into it as is). ``fused=True``
+# names the implementation whose arithmetic this one reproduces: AdamW resumed from our state
+# dict continues with it, bit for bit on the CPU.
+_FIXED = {**_UNSUPPORTED, "foreach": None, "fused": True, "decoupled_weight_decay": True}
+
+
+class ChunkedAdamWError(RuntimeError):
+    """The worker thread failed to step a chunk; the optimizer cannot continue."""
+
+
+@dataclass(eq=False)
+class _Chunk:
+    """Runtime side of a :class:`ChunkSpec`. ``done`` is set while no step of the chunk is queued
+    or running: only then may the main thread touch its state, gradients or parameters."""
+
+    spec: ChunkSpec
+    params: list[torch.Tensor]
+    grad_buffer: torch.Tensor  # flat, on the parameters' device, in their dtype
+    grads: list[torch.Tensor]  # views of grad_buffer with the parameters' shapes
+    master_flat: torch.Tensor  # the chunk's fp32 master weights in the arena (empty: not owned)
+    master: list[torch.Tensor]  # views of master_flat / the moments with the parameters' shapes
+    exp_avg: list[torch.Tensor]
+    exp_avg_sq: list[torch.Tensor]
+    versions: list[int | None]  # each parameter's ``_version`` when master last matched it
+    owner: int = 0  # the rank holding and stepping this chunk's state (sharded mode)
+    owned: bool = True
+    done: threading.Event = field(default_factory=threading.Event)
+    synchronous: bool = True  # holds a parameter not seen in a module's forward: step() waits
+    cuda_done: Any = None  # torch.cuda.Event after the last write-back (CUDA only)
+
+    def __post_init__(self) -> None:
+        self.done.set()
+
+
+@dataclass(eq=False)
+class _Job:
+    chunk: _Chunk
+    members: list[int]  # positions in the chunk of the parameters that have a gradient
+    steps: list[torch.Tensor]  # their ``step`` state tensors
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grads_ready: Any = None  # torch.cuda.Event on the training stream (CUDA only)
+
+
+class _Worker:
+    """One daemon thread stepping queued chunks in order. It holds no reference to the optimizer,
+    so an unused optimizer (and its arena) is collected; ``stop`` ends the thread."""
+
+    def __init__(self, run: Callable[[_Job], None]) -> None:
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.error: tuple[_Job, BaseException] | None = None
+        self.run = run  # what the thread does to each job (tests wrap it to inject delays)
+        self._thread = threading.Thread(target=self._loop, name="lightning_ckpt-adamw", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            try:
+                if self.error is None:  # after a failure, later chunks are released unstepped
+                    self.run(job)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
+                self.error = (job, exc)
+            finally:
+                job.chunk.done.set()  # every waiter wakes up, failed or not: nothing hangs
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+    def join(self) -> None:
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+
+class _Stepper:
+    """What the worker thread does to one chunk: gradients to the host, the kernel, write-back.
+
+    Owns the transfer buffers: one host fp32 gradient buffer (used when gradients are on CUDA or
+    not fp32) and, on CUDA, one device fp32 buffer for the write-back and the two side streams.
+    One buffer each is enough: the worker steps one chunk at a time, and a CUDA chunk's copies are
+    synchronized (D2H) or stream-ordered (H2D) before the next chunk reuses them.
+    """
+
+    def __init__(self, arena: HostArena, largest: int, device: torch.device, group: Any = None) -> None:
+        self.arena = arena
+        self.group = group  # sharded mode: owners broadcast updated master chunks over it
+        self.last_write: Any = None  # CUDA: the event after the last write-back
+        self.cuda = device.type == "cuda"
+        self.host_grad = torch.empty(largest, dtype=MASTER_DTYPE, pin_memory=self.cuda)
+        if self.cuda:
+            self.device = device
+            self.device_master = torch.empty(largest, dtype=MASTER_DTYPE, device=device)
+            self.d2h = torch.cuda.Stream(device)
+            self.h2d = torch.cuda.Stream(device)
+
+    def _host_grads(self, job: _Job) -> list[torch.Tensor]:
+        c = job.chunk
+        if not self.cuda and c.grad_buffer.dtype == MASTER_DTYPE:
+            return [c.grads[i] for i in job.members]  # already host memory: used in place
+        flat = self.host_grad[: c.spec.numel]
+        if self.cuda:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.d2h):
+                self.d2h.wait_event(job.grads_ready)
+                flat.copy_(c.grad_buffer, non_blocking=True)
+            self.d2h.synchronize()
+        else:
+            flat.copy_(c.grad_buffer)  # bf16 / fp16 gradients upcast once per chunk
+        slots = c.spec.slots
+        return [flat[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]) for i in job.members]
+
+    def _write_back(self, job: _Job, source: torch.Tensor) -> None:
+        """Updated fp32 values of the chunk (``source``: host, flat) into its parameters."""
+        c = job.chunk
+        slots = c.spec.slots
+        with torch.no_grad():
+            if self.cuda:
+                with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
+                    flat = self.device_master[: c.spec.numel]
+                    flat.copy_(source, non_blocking=True)
+                    for i in job.members:
+                        c.params[i].copy_(flat[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]))
+                    event = torch.cuda.Event()
+                    event.record(self.h2d)
+                # Until ``event`` the copy reads ``source``: the next job waits for it first.
+                c.cuda_done = self.last_write = event
+            else:
+                for i in job.members:
+                    c.params[i].copy_(source[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]))
+        for i in job.members:
+            c.versions[i] = c.params[i]._version
+
+    def __call__(self, job: _Job) -> None:
+        c = job.chunk
+        if self.last_write is not None:
+            self.last_write.synchronize()  # host buffers read by the last H2D copy are free again
+        if not c.owned:  # sharded mode: the owner steps it; its updated values arrive here
+            torch._foreach_add_(job.steps, 1)
+            received = self.host_grad[: c.spec.numel]
+            torch.distributed.broadcast(received, src=c.owner, group=self.group)
+            self._write_back(job, received)
+            return
+        self.arena.writable(c.spec)
+        grads = self._host_grads(job)
+        # As torch.optim.AdamW(fused=True) does: steps first, then the kernel, one call per chunk
+        # with the parameters' own views (the kernel's vector body and scalar tail then cover the
+        # same elements as for separate tensors: a flat call would differ in the tails).
+        torch._foreach_add_(job.steps, 1)
+        torch._fused_adamw_(
+            [c.master[i] for i in job.members],
+            grads,
+            [c.exp_avg[i] for i in job.members],
+            [c.exp_avg_sq[i] for i in job.members],
+            [],
+            job.steps,
+            lr=job.lr,
+            beta1=job.beta1,
+            beta2=job.beta2,
+            weight_decay=job.weight_decay,
+            eps=job.eps,
+            amsgrad=False,
+            maximize=False,
+        )
+        if self.group is not None:
+            torch.distributed.broadcast(c.master_flat, src=c.owner, group=self.group)
+        self._write_back(job, c.master_flat)
+
+
+def _reject_unsupported(options: dict[str, Any], where: str) -> None:
+    for name, value in _UNSUPPORTED.items():
+        if options.get(name, value) != value:
+            raise ValueError(
+                f"ChunkedAdamW does not support `{name}={options[name]!r}`{where}: it implements AdamW"
+                f" with {name}={value}. Remove the argument, or use torch.optim.AdamW."
+            )
+
+
+class ChunkedAdamW(Optimizer):
+    """AdamW with fp32 master weights and both moments in chunked host memory, stepped by torch's
+    fused CPU AdamW kernel in a worker thread while the next forward runs.
+
+    With fp32 parameters the trained weights equal ``torch.optim.AdamW(fused=True)`` on the CPU bit
+    for bit; the state dict has torch's AdamW format (both ways). Parameters of other dtypes
+    (bf16, fp16) keep an fp32 master copy and moments; their gradients are upcast per chunk.
+
+    Args:
+        params: parameters or param groups, as for ``torch.optim.AdamW``. Parameters that do not
+            require grad at construction are kept in the groups but get no chunk memory.
+        lr, betas, eps, weight_decay: as for ``torch.optim.AdamW`` (per group too).
+        chunk_size: bytes of fp32 master weights per chunk (``"64MiB"`` or an int); a parameter
+            larger than that gets a chunk of its own.
+        overlap: step chunks in the background while the next forward runs (each module's forward
+            waits for the chunks of its own parameters). ``False``: ``step()`` returns after the
+            last chunk is written back.
+        shard_across_ranks: when ``torch.distributed`` is initialized with several ranks (DDP), each
+            rank holds and steps only its share of the chunks and the owners broadcast the updated
+            values (over a gloo group of their own). Gradients must already be averaged across
+            ranks, as DDP does. ``False``: every rank holds and steps everything.
+        amsgrad, maximize, foreach, capturable, differentiable, fused: accepted for drop-in use of
+            AdamW's arguments; anything but AdamW's defaults (``foreach``/``fused``: any value) is
+            refused.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        chunk_size: int | str = "64MiB",
+        overlap: bool = True,
+        shard_across_ranks: bool = True,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+    ) -> None:
+        _reject_unsupported(
+            {"amsgrad": amsgrad, "maximize": maximize, "capturable": capturable, "differentiable": differentiable},
+            "",
+        )
+        if isinstance(lr, torch.Tensor) or not 0.0 <= lr:
+            raise ValueError(f"`lr={lr!r}` must be a non-negative float.")
+        if not 0.0 <= eps:
+            raise ValueError(f"`eps={eps!r}` must be non-negative.")
+        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
+            raise ValueError(f"`betas={betas!r}` must be two floats in [0, 1).")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"`weight_decay={weight_decay!r}` must be non-negative.")
+        chunk_bytes = parse_size(chunk_size, "chunk_size")
+        if chunk_bytes < 4:
+            raise ValueError(f"`chunk_size={chunk_size!r}` must hold at least one fp32 element (4 bytes).")
+        self._built = False
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, **_FIXED}
+        super().__init__(params, defaults)
+        self._overlap = overlap
+        self._build(chunk_bytes // 4, shard_across_ranks)
+        self._built = True
+
+    # -- construction -------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_built", False):
+            raise ValueError(
+                "ChunkedAdamW lays its chunks out at construction: `add_param_group` afterwards is not"
+                " supported. Pass every param group to the constructor."
+            )
+        _reject_unsupported(param_group, " in a param group")
+        for p in param_group["params"] if not isinstance(param_group["params"], torch.Tensor) else [param_group["params"]]:
+            if isinstance(p, torch.Tensor) and (p.is_sparse or p.layout != torch.strided):
+                raise ValueError(
+                    f"ChunkedAdamW needs dense (strided) parameters; got a {p.layout} parameter in `params`."
+                    " Use torch.optim.SparseAdam for sparse parameters."
+                )
+            if isinstance(p, torch.Tensor) and not p.is_floating_point():
+                raise ValueError(f"ChunkedAdamW steps floating-point parameters; got {p.dtype} in `params`.")
+        super().add_param_group(param_group)
+        for key, value in _FIXED.items():  # what AdamW's groups hold, whatever was passed
+            self.param_groups[-1][key] = value
+        self.param_groups[-1]["betas"] = tuple(self.param_groups[-1]["betas"])
+
+    def _build(self, chunk_numel: int, shard: bool) -> None:
+        packed: list[tuple[int, torch.Tensor]] = []
+        devices = set()
+        seen: set[torch.Tensor] = set()  # a parameter listed twice (tied) is packed and stepped once
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.requires_grad and p not in seen:
+                    seen.add(p)
+                    packed.append((g, p))
+                    devices.add(p.device)
+        if len(devices) > 1:
+            raise ValueError(
+                f"ChunkedAdamW needs every parameter on one device; `params` spans {sorted(map(str, devices))}."
+                " Move the model to one device before building the optimizer."
+            )
+        self.device = devices.pop() if devices else torch.device("cpu")
+        layout = plan_chunks([(g, p.numel(), p.dtype) for g, p in packed], chunk_numel)
+        dist = torch.distributed
+        self._group = None  # sharded mode: the group the owners broadcast over
+        owners = (0,) * len(layout.chunks)
+        rank = 0
+        if shard and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # Collective: every rank builds its optimizer (configure_optimizers runs on each).
+            self._group = dist.new_group(backend="gloo")
+            rank = dist.get_rank()
+            owners = assign_owners(layout, dist.get_world_size())
+            layout = restrict(layout, {i for i, owner in enumerate(owners) if owner == rank})
+        self.layout = layout
+        self._arena = HostArena(layout, pin=self.device.type == "cuda")
+        self._chunks: list[_Chunk] = []
+        self._where: dict[torch.Tensor, tuple[_Chunk, int]] = {}  # parameter -> (chunk, position)
+        for spec in layout.chunks:
+            params = [packed[s.param][1] for s in spec.slots]
+            buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=self.device)
+            owned = owners[spec.index] == rank
+            empty = torch.empty(0, dtype=MASTER_DTYPE)
+            master_flat, avg, avg_sq = self._arena.tensors(spec) if owned else (empty, empty, empty)
+
+            def views(flat: torch.Tensor) -> list[torch.Tensor]:
+                if flat.numel() == 0:
+                    return []
+                return [flat[s.offset : s.offset + s.numel].view(p.shape) for s, p in zip(spec.slots, params)]
+
+            chunk = _Chunk(
+                spec, params, buffer, views(buffer), master_flat, views(master_flat), views(avg), views(avg_sq),
+                [None] * len(params), owners[spec.index], owned,
+            )
+            self._chunks.append(chunk)
+            for i, p in enumerate(params):
+                self._where[p] = (chunk, i)
+                p.register_post_accumulate_grad_hook(_GradMover(weakref.ref(self)))
+        largest = max((s.numel for s in layout.chunks), default=0)
+        self._worker = _Worker(_Stepper(self._arena, largest, self.device, self._group))
+        weakref.finalize(self, _shutdown, self._worker, self._arena)
+        self._hooked: set[int] = set()  # ids of modules given wait hooks
+        self._awaited: set[torch.Tensor] = set()  # parameters a hooked module's forward waits for
+        self._discovery = (
+            torch.nn.modules.module.register_module_forward_pre_hook(_Discover(weakref.ref(self)))
+            if self._overlap
+            else None
+        )
+
+    # -- waiting --------------------------------------------------------------------------------
+
+    def _raise_failure(self) -> None:
+        if self._worker.error is None:
+            return
+        job, exc = self._worker.error
+        spec = job.chunk.spec
+        raise ChunkedAdamWError(
+            f"ChunkedAdamW: stepping chunk {spec.index} (param group {spec.group}, {spec.dtype},"
+            f" {len(spec.slots)} parameters) failed in the worker thread: {type(exc).__name__}: {exc}."
+            " Parameters and optimizer state are now inconsistent (earlier chunks of that step were"
+            " applied, later ones not): restore the model and optimizer from a checkpoint."
+        ) from exc
+
+    def _wait(self, chunks: Iterable[_Chunk]) -> None:
+        for chunk in chunks:
+            chunk.done.wait()
+            if chunk.cuda_done is not None:
+                torch.cuda.current_stream(self.device).wait_event(chunk.cuda_done)
+        self._raise_failure()
+
+    def wait(self) -> None:
+        """Block until every queued chunk is stepped and written back (raises a worker failure)."""
+        self._wait(self._chunks)
+
+    def _module_chunks(self, module: torch.nn.Module) -> list[_Chunk]:
+        found = {id(self._where[p][0]): self._where[p][0] for p in module._parameters.values() if p in self._where}
+        return list(found.values())
+
+    def _adopt(self, module: torch.nn.Module) -> None:
+        """First forward of a module holding packed parameters: its forward and its state_dict
+        wait for their chunks from now on, and those chunks may be stepped in the background."""
+        if id(module) in self._hooked:
+            return
+        chunks = self._module_chunks(module)
+        if not chunks:
+            return
+        self._hooked.add(id(module))
+        for chunk in chunks:
+            for p in module._parameters.values():
+                if p is not None and self._where.get(p, (None,))[0] is chunk:
+                    self._awaited.add(p)
+        waiter = _ChunkWaiter(weakref.ref(self), chunks)
+        module.register_forward_pre_hook(waiter)
+        module.register_state_dict_pre_hook(waiter)
+
+    # -- the step -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+        """Queue every chunk with a gradient for the worker; see the module docstring."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.wait()
+        if self._discovery is not None:  # the first forward is over: every module seen is known
+            self._discovery.remove()
+            self._discovery = None
+            for chunk in self._chunks:
+                chunk.synchronous = not all(p in self._awaited for p in chunk.params)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p not in self._where:
+                    raise ValueError(
+                        "ChunkedAdamW: a parameter that did not require grad when the optimizer was built"
+                        f" (shape {tuple(p.shape)}) now has a gradient. Build the optimizer after freezing"
+                        " or unfreezing parameters."
+                    )
+        grads_ready = None
+        if self.device.type == "cuda":
+            grads_ready = torch.cuda.Event()
+            grads_ready.record(torch.cuda.current_stream(self.device))
+        waits = []
+        for chunk in self._chunks:
+            members = []
+            for i, p in enumerate(chunk.params):
+                if p.grad is None:
+                    continue
+                if p.grad.layout != torch.strided:
+                    raise ValueError(
+                        "ChunkedAdamW does not support sparse gradients (e.g. `nn.Embedding(sparse=True)`):"
+                        " build the module with `sparse=False`, or use torch.optim.SparseAdam for it."
+                    )
+                self._into_view(chunk, i)
+                if chunk.owned and chunk.versions[i] != p._version:  # set or loaded from outside
+                    self._arena.writable(chunk.spec)
+                    chunk.master[i].copy_(p.detach())
+                    chunk.versions[i] = p._version
+                members.append(i)
+            if not members:
+                continue
+            group = self.param_groups[chunk.spec.group]
+            steps = [self._state_of(chunk, i)["step"] for i in members]
+            lr = group["lr"]
+            job = _Job(
+                chunk, members, steps, float(lr), float(group["betas"][0]), float(group["betas"][1]),
+                float(group["eps"]), float(group["weight_decay"]), grads_ready,
+            )
+            chunk.done.clear()
+            self._worker.jobs.put(job)
+            if chunk.synchronous or not self._overlap:
+                waits.append(chunk)
+        self._wait(waits)
+        return loss
+
+    def _state_of(self, chunk: _Chunk, i: int) -> dict[str, Any]:
+        p = chunk.params[i]
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            if chunk.owned:  # sharded mode: other ranks keep the step count only
+                state["exp_avg"] = chunk.exp_avg[i]
+                state["exp_avg_sq"] = chunk.exp_avg_sq[i]
+        return state
+
+    def _into_view(self, chunk: _Chunk, i: int) -> None:
+        """Make parameter ``i``'s gradient its view of the chunk's buffer (copying it there)."""
+        p, view = chunk.params[i], chunk.grads[i]
+        grad = p.grad
+        if grad is None or grad.data_ptr() == view.data_ptr():
+            return
+        view.copy_(grad)
+        p.grad = view
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``. ``set_to_none=False`` keeps the gradients as views
+        of the chunk buffers (zeroed in one fill per chunk): the next backward accumulates into them
+        directly; with ``True`` (torch's default) each fresh gradient is copied into its view."""
+        self.wait()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                elif p in self._where and p.grad.data_ptr() == self._where[p][0].grads[self._where[p][1]].data_ptr():
+                    continue  # zeroed below with its whole buffer
+                else:
+                    p.grad.detach_().requires_grad_(False)
+                    p.grad.zero_()
+        if not set_to_none:
+            for chunk in self._chunks:
+                chunk.grad_buffer.zero_()
+
+    # -- state dict -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's AdamW format: per parameter ``step``, ``exp_avg``, ``exp_avg_sq`` (the params'
+        shapes, fp32, viewing the host arena: copy them to keep a snapshot across steps).
+
+        Sharded mode: a collective (every rank calls it, as Lightning's checkpointing does); the
+        owners broadcast their chunks' moments, so every rank returns the whole state.
+        """
+        self.wait()
+        packed = super().state_dict()
+        if self._group is None:
+            return packed
+        index = _torch_indices(self.param_groups)
+        for chunk in self._chunks:
+            stateful = [i for i, p in enumerate(chunk.params) if "step" in self.state.get(p, {})]
+            if not stateful:  # the same on every rank: step counts are kept everywhere
+                continue
+            n = chunk.spec.numel
+            if chunk.owned:
+                _, avg, avg_sq = self._arena.tensors(chunk.spec)
+                both = torch.cat([avg, avg_sq])
+            else:
+                both = torch.empty(2 * n, dtype=MASTER_DTYPE)
+            torch.distributed.broadcast(both, src=chunk.owner, group=self._group)
+            for i in stateful:
+                slot, p = chunk.spec.slots[i], chunk.params[i]
+                entry = packed["state"][index[id(p)]]
+                entry["exp_avg"] = both[slot.offset : slot.offset + slot.numel].view(p.shape)
+                entry["exp_avg_sq"] = both[n + slot.offset : n + slot.offset + slot.numel].view(p.shape)
+        return packed
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``torch.optim.AdamW`` (or ``ChunkedAdamW``) state dict: hyper-parameters per group,
+        state copied into the arena (cast to fp32)."""
+        self.wait()
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+            len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)
+        ):
+            raise ValueError(
+                "loaded state dict has "
+                f"{[len(g['params']) for g in groups]} parameters per group, this ChunkedAdamW has"
+                f" {[len(g['params']) for g in self.param_groups]}: build it with the same param groups."
+            )
+        for saved in groups:
+            _reject_unsupported(saved, " in the loaded state dict's param groups")
+        index: dict[Any, torch.Tensor] = {}
+        for saved, group in zip(groups, self.param_groups):
+            index.update(zip(saved["params"], group["params"]))
+            for key, value in saved.items():
+                if key != "params" and key not in _FIXED:
+                    group[key] = tuple(value) if key == "betas" else value
+        self.state.clear()
+        for key, saved_state in state_dict["state"].items():
+            p = index[key]
+            if p not in self._where:
+                continue  # state of a parameter frozen here: nothing to step
+            chunk, i = self._where[p]
+            state = self._state_of(chunk, i)
+            if chunk.owned:
+                self._arena.writable(chunk.spec)
+            state["step"].fill_(float(saved_state["step"]))
+            if chunk.owned:
+                state["exp_avg"].copy_(saved_state["exp_avg"].reshape(p.shape))
+                state["exp_avg_sq"].copy_(saved_state["exp_avg_sq"].reshape(p.shape))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        raise TypeError("ChunkedAdamW cannot be unpickled or deep-copied: save its state_dict() instead.")
+
+    # -- introspection ------------------------------------------------------------------------
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host arena (fp32 master weights and both moments)."""
+        return self._arena.nbytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._arena.pinned_bytes
+
+
+def _torch_indices(groups: list[dict[str, Any]]) -> dict[int, int]:
+    """id(parameter) -> its index in a state dict, numbered as ``torch.optim.Optimizer`` does."""
+    index: dict[int, int] = {}
+    start = 0
+    for group in groups:
+        for i, p in enumerate(group["params"], start):
+            index.setdefault(id(p), i)
+        start += len(group["params"])
+    return index
+
+
+def _shutdown(worker: _Worker, arena: HostArena) -> None:
+    """The optimizer is gone: end the worker, then release the arena (its file descriptor)."""
+    worker.stop()
+    worker.join()
+    arena.close()
+
+
+class _GradMover:
+    """Post-accumulate-grad hook: a gradient autograd just created moves into its view at once, so
+    clipping and scaling see the views and the fresh tensor is freed during backward."""
+
+    def __init__(self, optimizer: weakref.ref[ChunkedAdamW]) -> None:
+        self._optimizer = optimizer
+
+    def __call__(self, p: torch.Tensor) -> None:
+        optimizer = self._optimizer()
+        if optimizer is None or p not in optimizer._where:
+            return
+        chunk, i = optimizer._where[p]
+        grad = p.grad
+        if grad is not None and grad.layout == torch.strided and grad.data_ptr() != chunk.grads[i].data_ptr():
+            chunk.done.wait()  # the buffer is not being read by a step still in flight
+            with torch.no_grad():
+                optimizer._into_view(chunk, i)
+
+
+class _Discover:
+    """Global forward pre-hook until the first ``step()``: finds the modules holding our params."""
+
+    def __init__(self, optimizer: weakref.ref[ChunkedAdamW]) -> None:
+        self._optimizer = optimizer
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        optimizer = self._optimizer()
+        if optimizer is not None:
+            optimizer._adopt(module)
+
+
+class _ChunkWaiter:
+    """Forward pre-hook and state_dict pre-hook of a module: waits for its parameters' chunks."""
+
+    def __init__(self, optimizer: weakref.ref[ChunkedAdamW], chunks: list[_Chunk]) -> None:
+        self._optimizer = optimizer
+        self._chunks = chunks
+
+    def __call__(self, module: torch.nn.Module, *args: Any) -> None:
+        optimizer = self._optimizer()
+        if optimizer is not None:
+            optimizer._wait(self._chunks)

@@ -1,0 +1,29 @@
+"""Smoke test of ``bench --mode offload --device cuda`` at a tiny size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_ckpt import bench
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def test_bench_offload_cuda_tiny(tmp_path: Path) -> None:
+    json_path = tmp_path / "offload.json"
+    argv = ["--mode", "offload", "--device", "cuda", "--width", "256", "--layers", "2", "--batch", "64",
+            "--chunk-size", "64KiB", "--steps", "2", "--repeats", "1", "--json", str(json_path)]
+    assert bench.main(argv) == 0
+    rows = {r["contender"]: r for r in json.loads(json_path.read_text())["results"]}
+    assert {"AdamW on the GPU (fused)", "ChunkedAdamW", "FSDP2 CPUOffloadPolicy"} <= set(rows)
+    for row in rows.values():
+        assert row["median_step_seconds"] > 0 and row["peak_device_bytes"] > 0
+    # no optimizer state on the device: less device memory than AdamW on the GPU
+    assert rows["ChunkedAdamW"]["peak_device_bytes"] < rows["AdamW on the GPU (fused)"]["peak_device_bytes"]
