@@ -63,11 +63,14 @@ class Config:
 TINY = Config(width=64, depth=3, epochs=4, kill_after_save=2)  # for the test suite: seconds, not a minute
 
 
-class Student(LightningModule):
+class Regressor(LightningModule):
     """An MLP learning the function of a fixed random "teacher" network: a task it can learn, so
-    the training loss falls."""
+    the training loss falls. The defaults are for ``examples/cli_train.py`` (LightningCLI); the
+    demo passes its ``Config``."""
 
-    def __init__(self, width: int, depth: int, batch_size: int, steps_per_epoch: int, lr: float) -> None:
+    def __init__(
+        self, width: int = 256, depth: int = 4, batch_size: int = 64, steps_per_epoch: int = 16, lr: float = 1e-3
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         layers: list[torch.nn.Module] = [torch.nn.Linear(INPUTS, width), torch.nn.GELU()]
@@ -141,7 +144,7 @@ class Meter(Callback):
 @dataclass
 class Run:
     trainer: Trainer
-    model: Student
+    model: Regressor
     checkpoint: ShardedModelCheckpoint
     meter: Meter
     seconds: float
@@ -150,7 +153,7 @@ class Run:
 def fit(config: Config, dirpath: str, io: Any, ckpt_path: str | None = None, extra: tuple[Callback, ...] = ()) -> Run:
     """Train ``config`` from scratch (or resume from ``ckpt_path``), saving into ``dirpath``."""
     seed_everything(0, verbose=False)
-    model = Student(config.width, config.depth, config.batch_size, config.steps_per_epoch, config.lr)
+    model = Regressor(config.width, config.depth, config.batch_size, config.steps_per_epoch, config.lr)
     # The same callback measures both runs (its save records). With Lightning's IO it releases no
     # memory after a save, as Lightning's ModelCheckpoint does not.
     checkpoint = ShardedModelCheckpoint(
@@ -408,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     start = time.perf_counter()
-    params = sum(p.numel() for p in Student(config.width, config.depth, config.batch_size, config.steps_per_epoch, config.lr).parameters())
+    params = sum(p.numel() for p in Regressor(config.width, config.depth, config.batch_size, config.steps_per_epoch, config.lr).parameters())
     console.rule(f"lightning_ckpt {lightning_ckpt.__version__}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
     console.print(
         f"  an MLP of {params / 1e6:.1f}M parameters with AdamW (state: {params * 12 / MB:.0f} MB of weights and moments),"
