@@ -190,8 +190,9 @@ def final_state(run: Run) -> dict[str, torch.Tensor]:
     return state
 
 
-def _median(records: list[dict[str, Any]], key: str) -> float | None:
-    values = [r[key] for r in records if r[key] is not None]
+def _median(records: list[dict[str, Any]], key: str, unit: float = 1.0) -> float | None:
+    """The median of a save-record figure over the saves that know it, in ``unit``s."""
+    values = [r[key] / unit for r in records if r[key] is not None]
     return statistics.median(values) if values else None
 
 
@@ -221,7 +222,7 @@ def compare(config: Config, out: str) -> Run:
     table.add_column("ours, async", justify="right")
     table.add_column("Lightning / ours", justify="right")
     rows = [
-        ("checkpoint size", _mb(_median(a, "nbytes") / MB), _mb(_median(b, "nbytes") / MB), ""),
+        ("checkpoint size", _mb(_median(a, "nbytes", MB)), _mb(_median(b, "nbytes", MB)), ""),
         ("[1] save call: training blocked", _s(_median(a, "call_s")), _s(_median(b, "call_s")),
          _ratio(_median(a, "call_s"), _median(b, "call_s"))),
         ("[2] memory release after it", "off", _s(_median(b, "release_s")), ""),
