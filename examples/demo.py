@@ -211,9 +211,14 @@ def _ratio(a: float | None, b: float | None) -> str:
 def compare(config: Config, out: str) -> Run:
     """Section 1: the same run through Lightning's IO and through ours; returns ours."""
     runs = {}
-    for name, io in (("lightning", TorchCheckpointIO()), ("lightning_ckpt", ShardedCheckpointIO(async_save=True))):
-        console.print(f"  training with {type(io).__name__}{'(async_save=True)' if name != 'lightning' else ''} ...")
-        runs[name] = fit(config, os.path.join(out, name), io)
+    # Each IO made just before its run: an async ShardedCheckpointIO installs a process-wide
+    # optimizer-step hook, which the Lightning run should not carry.
+    for name, label, make in (
+        ("lightning", "TorchCheckpointIO", TorchCheckpointIO),
+        ("lightning_ckpt", "ShardedCheckpointIO(async_save=True)", lambda: ShardedCheckpointIO(async_save=True)),
+    ):
+        console.print(f"  training with {label} ...")
+        runs[name] = fit(config, os.path.join(out, name), make())
     ours, theirs = runs["lightning_ckpt"], runs["lightning"]
     a, b = theirs.checkpoint.save_records, ours.checkpoint.save_records
     table = Table(title=f"{len(a)} saves of last.ckpt per run; medians per save", title_justify="left")
