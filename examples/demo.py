@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ from lightning_ckpt.bench.measure import MB, RssSampler, proc_status
 from lightning_ckpt.cli import main as cli
 
 # Off a terminal (piped, logged) rich would wrap at 80 columns: the table needs about 100.
-console = Console(highlight=False, width=None if Console().is_terminal else 100)
+console = Console(highlight=False, soft_wrap=True, width=None if Console().is_terminal else 100)
 INPUTS, OUTPUTS = 64, 16
 
 
@@ -409,6 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     for name in ("lightning.pytorch", "lightning.fabric"):  # "GPU available: False", tips: not the demo's subject
         logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")  # Lightning 2.6 on torch >= 2.13
     config = TINY if args.tiny else Config()
     out = os.path.abspath(args.out)
     if args.killed_run:
