@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all bench clean parity
+.PHONY: install demo test test-newest test-all bench clean parity
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,33 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The newest torch release this machine's pip installs (2.14.1; 2.15.0 is a several-GB CUDA build it
+# does not serve by default), in a second environment, .venv-newest: by default the unit and
+# integration tiers on it. Here torch 2.14.1 itself comes as the CUDA build (~2.7 GB of wheels,
+# installed in ~1.2 min; it runs on CPU, the gpu tests skip).
+# CI (.ci/run) runs only the unit tier on it (NEWEST_TESTS=tests/unit), to stay within ~15 minutes on
+# the 2-core CI machine: `make test` takes 9-11 of them, this install ~1.2, and of `make test`'s
+# running time the unit tier is about a third, the integration tier about two fifths (the rest is
+# the distributed tier): both tiers would bring CI to ~18-21 minutes, the unit tier to ~15.
+# Before a release run both: `make test-newest`; another torch: `make test-newest NEWEST_TORCH=2.15.0`.
+NEWEST_TORCH ?= 2.14.1
+NEWEST_TESTS ?= tests/unit tests/integration
+NEWEST_VENV ?= .venv-newest
+NEWEST_PY := $(NEWEST_VENV)/bin/python
+NEWEST_STAMP := $(NEWEST_VENV)/.installed-torch-$(NEWEST_TORCH)
+
+$(NEWEST_STAMP): setup.cfg pyproject.toml
+	rm -rf $(NEWEST_VENV)
+	$(PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_PY) -m pip install --quiet --upgrade pip
+	$(NEWEST_PY) -m pip install --quiet torch==$(NEWEST_TORCH)
+	$(NEWEST_PY) -m pip install --quiet -e ".[test]"
+	touch $(NEWEST_STAMP)
+
+test-newest: $(NEWEST_STAMP)
+	$(NEWEST_PY) -c "import torch, lightning; print('torch', torch.__version__, '/ lightning', lightning.__version__)"
+	$(NEWEST_PY) -m pytest -q $(NEWEST_TESTS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "slow or not slow"
@@ -42,4 +69,4 @@ parity: $(STAMP)
 	$(PY) tests/parity/run.py --src "$(LIGHTNING_SRC)" $(if $(LIGHTNING_REF),--ref "$(LIGHTNING_REF)") $(PARITY_ARGS)
 
 clean:
-	rm -rf $(VENV) demo-output bench-results .pytest_cache *.egg-info
+	rm -rf $(VENV) $(NEWEST_VENV) demo-output bench-results .pytest_cache *.egg-info
