@@ -163,7 +163,7 @@ def fit(config: Config, dirpath: str, io: Any, ckpt_path: str | None = None, ext
         save_top_k=0,  # only last.ckpt, replaced at every save
         save_last=True,
         slowdown_window=config.steps_per_epoch - 1,  # the steps up to the next save
-        release_memory=isinstance(io, ShardedCheckpointIO),
+        release_memory="auto" if isinstance(io, ShardedCheckpointIO) else "never",
         metrics_file=None,
     )
     meter = Meter(config.steps_per_epoch)
@@ -249,8 +249,10 @@ def compare(config: Config, out: str) -> Run:
         "  [1] the Trainer waits for save_checkpoint to return. Lightning pickles the whole state with torch.save\n"
         "      (into memory, then to the file); ours copies the tensors into a reused staging pool and hands them to\n"
         "      a writer process.\n"
-        "  [2] ShardedModelCheckpoint's gc.collect + malloc_trim after a save (release_memory=True, its default); the\n"
-        "      Lightning run has it off, as Lightning's ModelCheckpoint has none. [1] + [2] = the save's stall.\n"
+        "  [2] time on the training thread of ShardedModelCheckpoint's memory release (release_memory=\"auto\", its\n"
+        "      default: it measures the heap a save left behind and trims it in the background only when that is\n"
+        "      large or memory is short); the Lightning run has it off, as Lightning's ModelCheckpoint has none.\n"
+        "      [1] + [2] = the save's stall.\n"
         f"  [3] the save's step and the {config.steps_per_epoch - 1} steps after it, beyond the median step before it:\n"
         f"      the stall plus any slowdown while the writer process shares the CPU with training ({os.cpu_count()} cores\n"
         "      here). Negative: other work on the machine made steps vary more than the save cost.\n"
