@@ -12,7 +12,9 @@ Every value is fixed (``torch.manual_seed(0)`` and ``arange``), so the shard fil
 byte for byte the same on every run; the manifest differs only in ``created_by`` (versions) and
 its checksum. Regenerate only with a deliberate format change, and once v3 is released make a new
 version directory with a ``SHARDED_FORMAT_VERSION`` bump instead.
-``tests/unit/test_golden_v3.py`` loads the result without starting processes.
+``tests/unit/test_golden_v3.py`` loads the result without starting processes;
+``tests/distributed/test_golden_v3_writer.py`` (marked slow) checks that today's writer still
+produces it.
 """
 
 from __future__ import annotations
@@ -102,21 +104,23 @@ def _save_on_rank(rank: int, store: str, target: str) -> None:
         dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+    """``make_v3.py`` rewrites ``tests/golden/v3``; ``make_v3.py FOLDER`` writes the checkpoint
+    into FOLDER instead (``tests/distributed/test_golden_v3_writer.py`` compares it)."""
     import torch.multiprocessing as mp
 
-    if not (GOLDEN_V3.parent.parent / "v2").is_dir():
-        sys.exit(f"{GOLDEN_V3.parent.parent} does not hold the other golden versions; run from a checkout")
+    destination = Path(argv[0]) / GOLDEN_V3.name if argv else GOLDEN_V3
     with tempfile.TemporaryDirectory() as tmp:
         target = os.path.join(tmp, GOLDEN_V3.name)
         mp.start_processes(
             _save_on_rank, args=(os.path.join(tmp, "store"), target), nprocs=WORLD_SIZE, start_method="spawn"
         )
-        shutil.rmtree(GOLDEN_V3.parent, ignore_errors=True)
-        GOLDEN_V3.parent.mkdir(parents=True)
-        shutil.copytree(target, GOLDEN_V3)
-    print("wrote", GOLDEN_V3, sorted(os.listdir(GOLDEN_V3)))
+        if not argv:
+            shutil.rmtree(GOLDEN_V3.parent, ignore_errors=True)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(target, destination)
+    print("wrote", destination, sorted(os.listdir(destination)))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
