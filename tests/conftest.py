@@ -5,8 +5,10 @@ import sys
 
 import pytest
 
-# Shared test helpers (tests/models.py) are importable from every tier.
+# Shared test helpers (tests/models.py) are importable from every tier, and so are the repository's
+# research benchmarks (benchmarks/, not part of the package) whatever the working directory.
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(autouse=True)

@@ -1,8 +1,16 @@
-"""``python -m lightning_ckpt bench --mode MODE [...]``: benchmark programs that print a rich table
-(and, with ``--json``, every run's values as JSON).
+"""``python -m lightning_ckpt bench --mode MODE [...]``: the benchmarks a user runs on their own
+machine to judge the plugin (save/load throughput, async saves in a training loop); each prints a
+rich table (and, with ``--json``, every run's values as JSON).
+
+The research harnesses (multi-rank, object storage, compression, a real training loop, ...) are
+not shipped in the package: they live in the repository's ``benchmarks/`` folder and run from a
+checkout with ``python -m benchmarks --mode MODE``. ``--mode`` with one of
+:data:`REPOSITORY_MODES` runs them from here too when this package is imported from that checkout
+(an editable install or ``PYTHONPATH``), and otherwise says where to get them.
 
 One module per mode; the shared parts are kept apart, and data flows one way (a mode module
-imports the shared ones, never another mode, and nothing imports a mode but :func:`main`):
+imports the shared ones, never another mode, and nothing imports a mode but :func:`main`). The
+shared parts are also what ``benchmarks/`` builds on:
 
 * ``measure``: fresh measurement processes, timing, RSS / memory readings, medians, p95, ratios;
 * ``report``: machine description, report header, the ``--json`` convention, table formatting;
@@ -11,9 +19,9 @@ imports the shared ones, never another mode, and nothing imports a mode but :fun
   ``disk_floor`` helper process);
 * ``workloads``: the synthetic checkpoint dict, the simulated step, the decoder-only transformer,
   and the byte-for-byte comparison of a loaded checkpoint with the saved one;
-* ``s3``: the local S3-compatible server (moto, on 127.0.0.1) and the environment pointing at it;
 * ``contenders``: Lightning ``TorchCheckpointIO`` / ``AsyncCheckpointIO``, DCP ``async_save`` and
-  ``ShardedCheckpointIO`` as a training loop drives them (``--mode async`` and ``--mode train``).
+  ``ShardedCheckpointIO`` as a training loop drives them (``--mode async``, and ``train`` in
+  ``benchmarks/``).
 """
 
 from __future__ import annotations
@@ -21,31 +29,37 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
+from types import ModuleType
 
 # mode -> (module, one-line description); the order is the order of ``--help``
 MODES: dict[str, tuple[str, str]] = {
     "save": ("save", "save/load throughput and memory against TorchCheckpointIO and a plain write (default)"),
     "async": ("async_loop", "stalls of a simulated training loop per save, time until durable, memory"),
-    "train": ("train", "a real training loop (decoder-only transformer + AdamW): training time lost per save"),
-    "distributed": ("distributed", "N CPU ranks (gloo): FSDP2 and DDP saves and loads against stock DCP"),
-    "activations": ("activations", "activation checkpointing: peak activation memory and step time"),
-    "fragmentation": ("fragmentation", "CUDA: what emptying the allocator's cache after saves does to the next steps"),
-    "release": ("release", "host memory release after saves: its cost on the training thread and what it gives back"),
-    "remote": ("remote", "s3:// saves and loads against a local moto S3 server: stall, durable time, upload GB/s, memory"),
-    "offload": ("offload", "ChunkedAdamW's optimizer step against torch.optim.AdamW foreach / fused and the memory-bandwidth floor"),
-    "compression": ("compression", "zstd on trained weights and AdamW state: ratio and MB/s per component, s3:// saves with and without"),
 }
+# The modes of the repository's benchmarks/ folder (``benchmarks.MODES`` describes them).
+REPOSITORY_MODES: tuple[str, ...] = (
+    "train",
+    "distributed",
+    "activations",
+    "fragmentation",
+    "release",
+    "remote",
+    "offload",
+    "compression",
+)
 DEFAULT_MODE = "save"
-_KEEPS_MODE = ("save", "distributed")  # their parsers take --mode themselves; they get argv unchanged
+_KEEPS_MODE = ("save",)  # its parser takes --mode itself; it gets argv unchanged
 
 
 def add_mode_argument(parser: argparse.ArgumentParser) -> None:
     """``--mode``, with every mode listed in ``--help``."""
     parser.add_argument(
         "--mode",
-        choices=tuple(MODES),
+        choices=(*MODES, *REPOSITORY_MODES),
         default=DEFAULT_MODE,
         help="; ".join(f"{name}: {text}" for name, (_, text) in MODES.items())
+        + f"; from a checkout of the repository (its benchmarks/ folder): {', '.join(REPOSITORY_MODES)}"
         + " (each mode's options: `--mode MODE --help`)",
     )
 
@@ -53,18 +67,49 @@ def add_mode_argument(parser: argparse.ArgumentParser) -> None:
 def split_mode(argv: list[str]) -> tuple[str, list[str]]:
     """``--mode`` (default ``save``) and the other arguments."""
     mode_parser = argparse.ArgumentParser(add_help=False)
-    mode_parser.add_argument("--mode", choices=tuple(MODES), default=DEFAULT_MODE)
+    mode_parser.add_argument("--mode", choices=(*MODES, *REPOSITORY_MODES), default=DEFAULT_MODE)
     known, rest = mode_parser.parse_known_args(argv)
     return known.mode, rest
+
+
+def checkout_benchmarks() -> ModuleType | None:
+    """The ``benchmarks`` package of the checkout this package is imported from, or ``None``.
+
+    Only the ``benchmarks/`` folder next to this very ``lightning_ckpt/`` counts (never another
+    ``benchmarks`` on ``sys.path``); its checkout root goes on ``sys.path``, so the measurement
+    processes it starts (forked from a server that inherits ``sys.path``) import it too.
+    """
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "benchmarks" / "__init__.py").is_file():
+        return None
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    module = importlib.import_module("benchmarks")
+    if Path(module.__file__ or "").resolve().parent != root / "benchmarks":
+        return None  # another ``benchmarks`` package was imported first
+    return module
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark of ``--mode`` (default ``save``); its exit code.
 
-    ``save`` and ``distributed`` get ``argv`` as given (their parsers take ``--mode``); the other
-    modes get it without ``--mode``.
+    ``save`` gets ``argv`` as given (its parser takes ``--mode``); ``async`` gets it without
+    ``--mode``; a mode of :data:`REPOSITORY_MODES` goes to the checkout's ``benchmarks.main``.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     mode, rest = split_mode(args)
+    if mode in REPOSITORY_MODES:
+        repository = checkout_benchmarks()
+        if repository is None:
+            print(
+                f"lightning_ckpt bench: `--mode {mode}` is a research benchmark that is not part of the installed"
+                f" package; it lives in the benchmarks/ folder of the lightning-ckpt source repository. To run it, clone"
+                f" the repository, `pip install -e '.[test]'` in its root, and run there\n"
+                f"  python -m benchmarks --mode {mode} [...]   (its options: --help)\n"
+                f"(modes shipped with the package: {', '.join(MODES)})",
+                file=sys.stderr,
+            )
+            return 2
+        return int(repository.main(args))
     module = importlib.import_module(f"{__name__}.{MODES[mode][0]}")
     return int(module.main(args if mode in _KEEPS_MODE else rest))

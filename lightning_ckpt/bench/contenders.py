@@ -1,4 +1,4 @@
-"""The checkpointing methods a training loop saves through (``--mode async`` and ``--mode train``).
+"""The checkpointing methods a training loop saves through (``--mode async``, and ``--mode train`` in benchmarks/).
 
 Every contender is driven the way Lightning drives a ``CheckpointIO``: the loop hands it the
 checkpoint dict and a path between steps (``save``), then asks, without blocking, which saves have

@@ -16,7 +16,8 @@ full JSON only with ``--json PATH`` (a file) or ``--json`` / ``--json -`` (stdou
 
     python -m lightning_ckpt bench --sizes 0.5GB,3GB --repeats 3 --json bench-results/bench.json
 
-The other modes (``--mode async|train|distributed|activations``) live in this package's other modules.
+``--mode async`` lives in ``async_loop``; the research modes (``train``, ``distributed``, ...) in the
+repository's ``benchmarks/``.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers import assert_positive_medians
 
+from benchmarks import train
 from lightning_ckpt import bench
-from lightning_ckpt.bench import train
 
 pytestmark = [
     pytest.mark.gpu,

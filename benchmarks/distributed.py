@@ -1,6 +1,6 @@
 """Multi-rank benchmark of checkpoint saves and loads: N CPU ranks (gloo), one shared disk.
 
-``python -m lightning_ckpt bench --mode distributed [...]``.
+``python -m benchmarks --mode distributed [...]``.
 
 Every measurement runs in a fresh group of rank processes (``measure.fresh_process_context``: the server
 imports torch, Lightning and this package once, every rank is a fresh process forked from it), joined by a gloo
@@ -858,7 +858,7 @@ def render_tables(report: dict[str, Any]) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="lightning_ckpt bench --mode distributed",
+        prog="python -m benchmarks --mode distributed",
         description=(
             "Multi-rank saves and loads on CPU ranks (gloo): Lightning's stock DCP path against ShardedCheckpointIO"
             " (FSDP2-sharded state), rank-0-only against spread writes (DDP state), and the disk's one- and"

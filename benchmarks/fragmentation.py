@@ -104,7 +104,7 @@ def _run(scenario: str, policy: str, expandable: bool, args: argparse.Namespace)
     env["PYTORCH_ALLOC_CONF"] = env["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(conf + [f"expandable_segments:{expandable}"])
     task = json.dumps([scenario, policy, args.steps, args.every, args.seed])
     out = subprocess.run(
-        [sys.executable, "-m", "lightning_ckpt.bench.fragmentation", "--child", task],
+        [sys.executable, "-m", "benchmarks.fragmentation", "--child", task],
         env=env, capture_output=True, text=True, check=False,
     )
     if out.returncode != 0:
@@ -138,7 +138,7 @@ def render_table(results: list[dict[str, Any]]) -> Any:
 def build_parser() -> argparse.ArgumentParser:
     from lightning_ckpt.bench.report import add_json_argument
 
-    parser = argparse.ArgumentParser(prog="python -m lightning_ckpt bench --mode fragmentation", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks --mode fragmentation", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="training steps per configuration")
     parser.add_argument("--every", type=int, default=10, help="a save every this many steps")
     parser.add_argument("--seed", type=int, default=0)

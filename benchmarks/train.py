@@ -1,6 +1,6 @@
 """Real training-loop benchmark of checkpoint saves: how much training time each save costs.
 
-``python -m lightning_ckpt bench --mode train --device cuda|cpu [...]``.
+``python -m benchmarks --mode train --device cuda|cpu [...]``.
 
 Each (contender, repeat) runs in a fresh process (``measure.run_in_fresh_process``) that
 trains a decoder-only transformer built in plain torch (``workloads.Decoder``: embedding, pre-norm
@@ -487,7 +487,7 @@ def render_table(report: dict[str, Any]) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="lightning_ckpt bench --mode train",
+        prog="python -m benchmarks --mode train",
         description=(
             "Real training loop (decoder-only transformer + AdamW, synthetic tokens): training time lost per save,"
             " time until durable, post-save step slowdown, GPU and host memory, load time and a bit-exact check,"

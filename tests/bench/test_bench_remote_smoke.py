@@ -13,10 +13,10 @@ import pytest
 
 from helpers import assert_positive_medians
 
+from benchmarks import remote as bench_remote
+from benchmarks.s3 import s3_environment
 from lightning_ckpt import bench
-from lightning_ckpt.bench import remote as bench_remote
 from lightning_ckpt.bench import workloads
-from lightning_ckpt.bench.s3 import s3_environment
 
 pytestmark = [
     pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the benchmark reads Linux /proc"),

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import release as bench_release
 from lightning_ckpt import bench
-from lightning_ckpt.bench import release as bench_release
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the benchmark reads Linux /proc")
 

@@ -1,6 +1,6 @@
 """Benchmark of activation checkpointing: peak activation memory and step time of a deep decoder.
 
-``python -m lightning_ckpt bench --mode activations [...]``.
+``python -m benchmarks --mode activations [...]``.
 
 The model is a pre-norm decoder (``--layers`` blocks of causal self-attention through
 ``scaled_dot_product_attention`` + a 4x MLP, residual dropout 0.1) trained with AdamW on random
@@ -333,7 +333,7 @@ def render_table(results: list[dict[str, Any]]) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="lightning_ckpt bench --mode activations",
+        prog="python -m benchmarks --mode activations",
         description="Peak activation memory and step time with activation checkpointing off / every layer /"
         " every 2nd layer / selective, on a deep decoder.",
     )

@@ -1,6 +1,6 @@
 """``bench --mode compression``: what zstd does to real checkpoint state, and whether it pays.
 
-``python -m lightning_ckpt bench --mode compression [--params 75M] [--steps 20] [--levels 1,3]
+``python -m benchmarks --mode compression [--params 75M] [--steps 20] [--levels 1,3]
 [--repeats 3] [--json PATH]``.
 
 The state is real, not random tensors: a decoder-only transformer (``workloads.Decoder``) trains
@@ -438,7 +438,7 @@ def parse_levels(text: str) -> tuple[int, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_ckpt bench --mode compression",
+        prog="python -m benchmarks --mode compression",
         description="zstd on the state of a briefly trained decoder (weights fp32 and bf16, AdamW moments, step"
         " counters) through the remote-checkpoint codec: ratio, compress and decompress MB/s per component and"
         " level; and the whole checkpoint saved with and without compression to a local moto S3 server.",
@@ -468,7 +468,7 @@ def missing_packages(end_to_end: bool) -> list[str]:
 def bench(task: Task, end_to_end: bool, log: Callable[[str], None]) -> Metrics:
     """The measurement process of ``task`` (with the S3 server around it when ``end_to_end``)."""
     from lightning_ckpt.bench.measure import environment
-    from lightning_ckpt.bench.s3 import s3_environment, s3_server
+    from benchmarks.s3 import s3_environment, s3_server
 
     if not end_to_end:
         return run_in_fresh_process(task, _run)

@@ -12,8 +12,8 @@ import torch
 
 from helpers import assert_positive_medians
 
+from benchmarks import distributed as bench_distributed
 from lightning_ckpt import cli
-from lightning_ckpt.bench import distributed as bench_distributed
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists("/proc/self/status") or not torch.distributed.is_available(),

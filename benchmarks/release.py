@@ -189,7 +189,7 @@ def _size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m lightning_ckpt bench --mode release", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks --mode release", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--size", type=_size, default=DEFAULT_SIZE, help=f"state saved per save, both scenarios (default {DEFAULT_SIZE})"
     )

@@ -1,6 +1,6 @@
 """``bench --mode remote``: checkpoints on object storage (``s3://``), against a local S3 server.
 
-``python -m lightning_ckpt bench --mode remote [--size 512MB] [--repeats 3] [--json PATH]``.
+``python -m benchmarks --mode remote [--size 512MB] [--repeats 3] [--json PATH]``.
 
 The program starts moto's S3-compatible server in a subprocess on ``127.0.0.1`` (a free port),
 points every S3 client of the run at it through the environment (``AWS_ENDPOINT_URL``, test
@@ -82,7 +82,7 @@ from lightning_ckpt.bench.measure import (
     summarize,
 )
 from lightning_ckpt.bench.report import add_json_argument, emit_report, fmt, machine_info, report_header, stderr_logger
-from lightning_ckpt.bench.s3 import s3_environment, s3_server
+from benchmarks.s3 import s3_environment, s3_server
 from lightning_ckpt.bench.workloads import build_checkpoint, mismatches, state_bytes
 
 CONTENDERS = ("torch_io", "sharded_sync", "sharded_async", "sharded_local_tier", "local_disk", "s3fs_put")
@@ -503,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     from lightning_ckpt.remote import DEFAULT_CONCURRENCY
 
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_ckpt bench --mode remote",
+        prog="python -m benchmarks --mode remote",
         description="Remote (s3://) checkpoints against a local moto S3 server: stall, durable time,"
         " upload throughput, memory and loads of ShardedCheckpointIO, TorchCheckpointIO and a plain s3fs put.",
     )

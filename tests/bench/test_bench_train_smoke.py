@@ -12,8 +12,9 @@ import pytest
 
 from helpers import assert_positive_medians
 
+from benchmarks import train
 from lightning_ckpt import bench
-from lightning_ckpt.bench import report, train
+from lightning_ckpt.bench import report
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the benchmark reads Linux /proc")
 
@@ -90,4 +91,4 @@ def test_bench_train_arguments(capsys: pytest.CaptureFixture[str]) -> None:
         bench.main(["--help"])
     assert exit_info.value.code == 0
     help_text = capsys.readouterr().out
-    assert all(mode in help_text for mode in bench.MODES)
+    assert all(mode in help_text for mode in (*bench.MODES, *bench.REPOSITORY_MODES))

@@ -14,8 +14,8 @@ import pytest
 
 from helpers import assert_positive_medians
 
+from benchmarks import compression
 from lightning_ckpt import bench
-from lightning_ckpt.bench import compression
 
 pytestmark = [
     pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the benchmark reads Linux /proc"),

@@ -38,7 +38,7 @@ STEP_BYTES_PER_PARAM = 28  # AdamW: read p, g, m, v; write p, m, v (fp32)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m lightning_ckpt bench --mode offload", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks --mode offload", description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", default="64M", help="parameters in the state (e.g. 64M, 1B)")
     parser.add_argument("--tensor-size", default="4M", help="elements per parameter tensor")
     parser.add_argument("--chunk-size", default="64MiB", help="ChunkedAdamW's chunk_size")

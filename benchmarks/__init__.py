@@ -1,0 +1,64 @@
+"""``python -m benchmarks --mode MODE [...]`` (from the repository root): the research benchmark
+programs, kept out of the installed package. Each prints a rich table (and, with ``--json``, every
+run's values as JSON). ``python -m lightning_ckpt bench --mode MODE`` runs them too when the
+package is imported from this checkout.
+
+The user-facing ``save`` and ``async`` modes ship with the package (``lightning_ckpt.bench``);
+these modes build on its shared parts (``measure``, ``report``, ``files``, ``workloads``,
+``contenders``, ``_plain_writer``) and on ``s3`` here (the local S3-compatible server, moto, on
+127.0.0.1). Data flows one way: a mode module imports the shared ones, never another mode, and
+nothing imports a mode but :func:`main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# mode -> (module, one-line description); the order is the order of ``--help``. The keys are
+# ``lightning_ckpt.bench.REPOSITORY_MODES`` (a unit test keeps the two equal).
+MODES: dict[str, tuple[str, str]] = {
+    "train": ("train", "a real training loop (decoder-only transformer + AdamW): training time lost per save"),
+    "distributed": ("distributed", "N CPU ranks (gloo): FSDP2 and DDP saves and loads against stock DCP"),
+    "activations": ("activations", "activation checkpointing: peak activation memory and step time"),
+    "fragmentation": ("fragmentation", "CUDA: what emptying the allocator's cache after saves does to the next steps"),
+    "release": ("release", "host memory release after saves: its cost on the training thread and what it gives back"),
+    "remote": ("remote", "s3:// saves and loads against a local moto S3 server: stall, durable time, upload GB/s, memory"),
+    "offload": ("offload", "ChunkedAdamW's optimizer step against torch.optim.AdamW foreach / fused and the memory-bandwidth floor"),
+    "compression": ("compression", "zstd on trained weights and AdamW state: ratio and MB/s per component, s3:// saves with and without"),
+}
+_KEEPS_MODE = ("distributed",)  # its parser takes --mode itself; it gets argv unchanged
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``--mode`` (required), with every mode listed in ``--help``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="The research benchmarks of lightning_ckpt (run from the repository root).",
+        epilog="Each mode's options: `--mode MODE --help`. The package's own modes: python -m lightning_ckpt bench --help.",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=tuple(MODES),
+        required=True,
+        help="; ".join(f"{name}: {text}" for name, (_, text) in MODES.items()),
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark of ``--mode``; its exit code.
+
+    ``distributed`` gets ``argv`` as given (its parser takes ``--mode``); the other modes get it
+    without ``--mode``. Without ``--mode``, ``--help`` lists the modes.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    mode_parser = argparse.ArgumentParser(add_help=False)
+    mode_parser.add_argument("--mode", choices=tuple(MODES))
+    known, rest = mode_parser.parse_known_args(args)
+    if known.mode is None:
+        build_parser().parse_args(args)  # prints the modes for --help; an error without --mode
+        return 2
+    module = importlib.import_module(f"{__name__}.{MODES[known.mode][0]}")
+    return int(module.main(args if known.mode in _KEEPS_MODE else rest))

@@ -1,0 +1,61 @@
+"""Where each benchmark mode lives: the package's own (``save``, ``async``) and the repository's
+(benchmarks/), reachable from ``python -m lightning_ckpt bench`` in a checkout, named with where to
+get them outside one, and not shipped in the wheel."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import benchmarks
+from lightning_ckpt import bench
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_repository_modes_are_the_modes_of_benchmarks_and_none_is_in_the_package() -> None:
+    assert set(bench.REPOSITORY_MODES) == set(benchmarks.MODES)
+    assert not set(bench.MODES) & set(bench.REPOSITORY_MODES)
+    package = ROOT / "lightning_ckpt" / "bench"
+    for _, (module, _) in benchmarks.MODES.items():
+        assert (ROOT / "benchmarks" / f"{module}.py").is_file()
+        assert not (package / f"{module}.py").exists(), f"{module}.py is in both lightning_ckpt/bench and benchmarks"
+    for _, (module, _) in bench.MODES.items():
+        assert (package / f"{module}.py").is_file()
+
+
+def test_package_finds_the_benchmarks_of_its_own_checkout() -> None:
+    found = bench.checkout_benchmarks()
+    assert found is benchmarks and Path(found.__file__).resolve().parent == ROOT / "benchmarks"
+
+
+def test_python_m_benchmarks_lists_the_modes_and_requires_one(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        benchmarks.main(["--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    assert all(mode in help_text for mode in benchmarks.MODES)
+    with pytest.raises(SystemExit) as exit_info:
+        benchmarks.main([])
+    assert exit_info.value.code == 2 and "--mode" in capsys.readouterr().err
+
+
+def test_repository_mode_outside_a_checkout_says_where_it_lives(tmp_path: Path) -> None:
+    """An installed package (here: a copy of lightning_ckpt/ without benchmarks/ next to it)."""
+    shutil.copytree(ROOT / "lightning_ckpt", tmp_path / "site" / "lightning_ckpt", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_ckpt", "bench", "--mode", "offload", "--steps", "1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "benchmarks/ folder" in done.stderr and "python -m benchmarks --mode offload" in done.stderr
