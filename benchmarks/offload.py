@@ -87,19 +87,24 @@ def _contenders(chunk_size: str) -> dict[str, Callable[[list[Any]], Any]]:
     }
 
 
-def copy_bandwidth(nbytes: int, repeats: int) -> float:
-    """Bytes/s moved (read + written) by ``copy_`` between two preallocated host buffers."""
+def stream_bandwidth(nbytes: int, repeats: int) -> float:
+    """Bytes/s an in-place streaming update moves on this host: ``a.add_(b)`` over two
+    preallocated fp32 buffers of ``nbytes`` reads ``a`` and ``b`` and writes ``a`` back, the access
+    pattern of an AdamW step (every array it writes it has just read). A plain ``copy_`` into a
+    second buffer would understate it: its destination is read for ownership before it is
+    written, a third stream the byte count does not see (measured here: 34 GB/s counted for
+    ``copy_`` against 53 GB/s for ``add_``)."""
     import torch
 
-    src = torch.ones(nbytes // 4)
-    dst = torch.zeros_like(src)
-    dst.copy_(src)
+    a = torch.ones(nbytes // 4)
+    b = torch.full_like(a, 1e-9)
+    a.add_(b)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        dst.copy_(src)
+        a.add_(b)
         times.append(time.perf_counter() - start)
-    return 2 * nbytes / (median(times) or float("inf"))
+    return 3 * nbytes / (median(times) or float("inf"))
 
 
 def _gpu_contenders(chunk_size: str) -> dict[str, Callable[[Any], tuple[Any, Any]]]:
@@ -208,11 +213,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             "median_step_seconds": step_s,
             "params_per_second": total / step_s if step_s else None,
         })
-    bandwidth = copy_bandwidth(min(total * 4, 1 << 30), max(3, args.repeats))
+    bandwidth = stream_bandwidth(min(total * 4, 1 << 30), max(3, args.repeats))
     floor_s = total * STEP_BYTES_PER_PARAM / bandwidth
     rows.append({
         "contender": "bandwidth floor",
-        "copy_bytes_per_second": bandwidth,
+        "stream_bytes_per_second": bandwidth,
         "median_step_seconds": floor_s,
         "params_per_second": total / floor_s,
     })

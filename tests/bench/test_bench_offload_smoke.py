@@ -20,4 +20,4 @@ def test_bench_offload_tiny(tmp_path: Path) -> None:
     for row in rows.values():
         assert row["params_per_second"] > 0 and row["vs_floor"] > 0
     assert rows["AdamW foreach"]["vs_foreach"] == 1.0
-    assert rows["bandwidth floor"]["copy_bytes_per_second"] > 0
+    assert rows["bandwidth floor"]["stream_bytes_per_second"] > 0
