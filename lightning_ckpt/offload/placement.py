@@ -76,14 +76,16 @@ def plan_offload(
     min_slots = max(per_unit, default=0)
     floor = resident_bytes + min_slots * slot_bytes + peak_activation
     if floor > budget:
-        worst = max(range(len(units)), key=lambda u: (per_unit[u] * slot_bytes + activation[u], -u))
+        own = [sum(chunk_bytes[c] for c in set(unit.chunks) - resident) for unit in units]
+        worst = max(range(len(units)), key=lambda u: (own[u] + activation[u], -u))
         unit = units[worst]
         raise OffloadBudgetError(
             f"ChunkedOffloadStrategy: `device_memory_budget={budget}` bytes cannot hold unit {unit.name!r}:"
-            f" it needs {per_unit[worst]} chunk(s) of up to {slot_bytes} bytes ({per_unit[worst] * slot_bytes} bytes)"
-            f" + {activation[worst]} bytes of activations, and the run needs {floor} bytes in all (resident"
-            f" chunks {resident_bytes}, {min_slots} slot(s) of {slot_bytes}, peak activations {peak_activation})."
-            " Raise `device_memory_budget`, lower `chunk_size`, or name smaller units (`unit_types`)."
+            f" its parameter chunks take {own[worst]} bytes and its activations {activation[worst]} bytes; with"
+            f" {min_slots} streaming slot(s) of {slot_bytes} bytes (each as large as the largest streamed chunk),"
+            f" {resident_bytes} bytes of resident chunks and {peak_activation} bytes of peak activations the run"
+            f" needs {floor} bytes. Raise `device_memory_budget`, lower `chunk_size`, or name smaller units"
+            " (`unit_types`)."
         )
     want = min_slots
     for i in range(len(trace)):

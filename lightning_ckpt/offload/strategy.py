@@ -170,6 +170,9 @@ class _Streamer:
 
     def _unapply(self) -> None:
         """Every parameter back on its host chunk (resident chunks copied back first)."""
+        # A step still running writes into whatever the parameters point at: let it finish first.
+        for optimizer in self.optimizers:
+            optimizer.wait()
         self.release_all()
         with torch.no_grad():
             for c, buffer in self.resident.items():

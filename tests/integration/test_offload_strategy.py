@@ -95,3 +95,81 @@ def test_streams_within_budget_and_equals_the_default_strategy(prefetch):
     # Every step fetched more parameter bytes than the device may hold at once.
     assert stats["h2d_bytes"] > 6 * stats["device_memory_budget"]
     assert stats["d2h_bytes"] > 0
+
+
+def test_frozen_layer_accumulation_and_clipping_equal_the_default_strategy():
+    options = dict(frozen=True, accumulate_grad_batches=2, gradient_clip_val=0.05)
+    _, reference = fit(**options)
+    strategy = offload()
+    trainer, model = fit(strategy, **options)
+    assert trainer.global_step == 6
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    assert model.layers[2].weight.grad is None  # frozen: streamed for the forward, never stepped
+    stats = strategy.memory_stats()
+    assert stats["peak_device_bytes"] <= stats["device_memory_budget"]
+    assert stats["streamed_chunks"] > 0
+
+
+def test_a_budget_below_one_unit_fails_at_setup_naming_the_unit_and_bytes():
+    strategy = lc.ChunkedOffloadStrategy(device_memory_budget=40_000, chunk_size="66KiB")
+    with pytest.raises(lc.OffloadBudgetError, match=r"`device_memory_budget=40000`.* unit 'layers\.0': its parameter chunks take 66048 bytes"):
+        fit(strategy)
+
+
+def test_unit_types_fetch_a_whole_block_as_one_unit():
+    strategy = lc.ChunkedOffloadStrategy(device_memory_budget="10MB", chunk_size="66KiB", unit_types=[torch.nn.ModuleList])
+    _, reference = fit()
+    trainer, model = fit(strategy)
+    assert model.losses == reference.losses
+    assert [name for name, _ in strategy._units(model)] == ["layers"]
+
+
+# Resumes from a checkpoint taken at the last batch of an epoch (12 batches).
+EPOCH = 12
+
+
+@pytest.mark.parametrize("offload_first", [True, False])
+def test_checkpoints_resume_across_strategies_bit_identical(tmp_path, offload_first):
+    _, reference = fit(max_steps=2 * EPOCH)
+    folder = tmp_path / "ckpts"
+    fit(offload() if offload_first else None, max_steps=EPOCH, dirpath=folder, plugins=[lc.ShardedCheckpointIO()])
+    name = f"epoch=0-step={EPOCH}.ckpt"
+    saved = lc.load_checkpoint(folder / name)
+    assert set(saved["state_dict"]) == set(reference.state_dict())  # the standard key layout
+    strategy = None if offload_first else offload()
+    _, resumed = fit(strategy, max_steps=2 * EPOCH, ckpt_path=str(folder / name), plugins=[lc.ShardedCheckpointIO()])
+    assert resumed.losses == reference.losses[EPOCH:]
+    assert_same(resumed, reference)
+
+
+def test_from_a_lightning_cli_config(tmp_path):
+    pytest.importorskip("jsonargparse")
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"""
+trainer:
+  default_root_dir: {tmp_path}
+  max_steps: 2
+  accelerator: cpu
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+  strategy:
+    class_path: lightning_ckpt.ChunkedOffloadStrategy
+    init_args:
+      device_memory_budget: 180KB
+      chunk_size: 66KiB
+      prefetch: 1
+      unit_types: [torch.nn.Linear, torch.nn.Embedding]
+"""
+    )
+    cli = LightningCLI(Stack, args=["fit", "--config", str(config)], save_config_callback=None)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, lc.ChunkedOffloadStrategy) and strategy.prefetch == 1
+    stats = strategy.memory_stats()
+    assert stats["device_memory_budget"] == 180_000 and stats["streamed_chunks"] > 0
+    assert stats["peak_device_bytes"] <= 180_000
