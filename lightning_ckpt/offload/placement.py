@@ -51,6 +51,7 @@ def plan_offload(
     trace: Sequence[int] = (),
     activation: Sequence[int] | None = None,
     prefetch: int = 0,
+    together: Sequence[Sequence[int]] = (),
 ) -> OffloadPlan:
     """Choose resident chunks and the slot count for ``budget`` bytes.
 
@@ -58,9 +59,16 @@ def plan_offload(
     by no unit resident, as many slots as the unit with the most chunks needs. With a trace, the
     slots grow to hold the ``prefetch`` units after the running one (as far as the budget allows),
     then the remaining bytes make chunks resident, the most used first. When everything fits,
-    everything is resident. Raises :class:`OffloadBudgetError` naming the unit that does not fit.
+    everything is resident. ``together``: sets of units whose chunks must be on the device at
+    once (a checkpointed block recomputed in backward); each counts as one more unit. Raises
+    :class:`OffloadBudgetError` naming the unit (or set) that does not fit.
     """
     activation = list(activation) if activation is not None else [0] * len(units)
+    units = list(units)
+    for group in together:
+        chunks = tuple(sorted({c for u in group for c in units[u].chunks}))
+        units.append(Unit(" + ".join(units[u].name for u in group) + " (recomputed together)", chunks))
+        activation.append(max((activation[u] for u in group), default=0))
     peak_activation = max(activation, default=0)
     total = sum(chunk_bytes)
     every = range(len(chunk_bytes))

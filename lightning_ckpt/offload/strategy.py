@@ -40,7 +40,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
-from lightning_ckpt.activation import _normalize_policy
+from lightning_ckpt.activation import _installed, _normalize_policy
 from lightning_ckpt.offload.adamw import ChunkedAdamW
 from lightning_ckpt.offload.chunks import plan_chunks
 from lightning_ckpt.offload.placement import OffloadBudgetError, OffloadPlan, Unit, plan_offload
@@ -89,6 +89,7 @@ class _Streamer:
         self._live_activations = 0
         self.unit_activation = [0] * len(units)
         self.trace: list[int] = []
+        self.groups: list[tuple[int, ...]] = []  # units recomputed together (activation checkpointing)
         self.warming_up = True
         self._chunk_bytes_arg = chunk_bytes
         self._pack(params)
@@ -142,11 +143,19 @@ class _Streamer:
 
     def _plan(self) -> OffloadPlan:
         if self.warming_up:
-            return plan_offload(self.chunk_nbytes, self.units, self.budget)
+            return plan_offload(self.chunk_nbytes, self.units, self.budget, together=self.groups)
         return plan_offload(
             self.chunk_nbytes, self.units, self.budget,
-            trace=self.trace, activation=self.unit_activation, prefetch=self.prefetch,
+            trace=self.trace, activation=self.unit_activation, prefetch=self.prefetch, together=self.groups,
         )
+
+    def set_groups(self, groups: list[tuple[int, ...]]) -> None:
+        """Units recomputed together in backward: re-plan so that each set fits the slots at once."""
+        if groups == self.groups:
+            return
+        self.groups = groups
+        self._unapply()
+        self._apply(self._plan())
 
     def _apply(self, plan: OffloadPlan) -> None:
         """Allocate the plan's device memory once: resident chunks (filled now) and the slots."""
@@ -164,6 +173,8 @@ class _Streamer:
         self.slot_of: dict[int, int] = {}  # chunk -> slot
         self.pins: dict[int, int] = {}  # chunk -> pin count (pinned: a kernel may still read it)
         self._backward_pins: list[int] = []
+        self._recompute_pins: list[int] = []
+        self._recompute_units: set[int] = set()
         self._forward_pos = 0
         self._backward_pos: int | None = None
         self.plan = plan
@@ -260,6 +271,8 @@ class _Streamer:
             self._evict(chunk)
         self.pins.clear()
         self._backward_pins = []
+        self._recompute_pins = []
+        self._recompute_units = set()
         self._backward_pos = None
         self._forward_pos = 0
 
@@ -274,17 +287,25 @@ class _Streamer:
             self._forward_pos = pos + 1
         self._fetch_unit(u, pin=True)
         self._note_peak()
-        if not self.warming_up and not in_backward:
+        if in_backward:
+            # A checkpointed block recomputes: what it saves views these slots until its backward
+            # is over, so its units stay pinned until backward reaches a unit outside it.
+            self._recompute_units.add(u)
+            self._recompute_pins.extend(self.units[u].chunks)
+            return
+        if not self.warming_up:
             start = self._forward_pos
             for j in range(start, min(start + self.prefetch, len(self.trace))):
                 self._fetch_unit(self.trace[j], pin=False, distance=j - start)
 
     def _post_forward(self, u: int, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recompute: pinned until its block's backward is over (see _pre_forward)
         for c in self.units[u].chunks:
             self._unpin(c)
         if self.warming_up:
             self.unit_activation[u] = max(self.unit_activation[u], self._live_activations)
-        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        if torch.is_grad_enabled():
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(functools.partial(self._pre_backward, u))
@@ -294,6 +315,11 @@ class _Streamer:
         for c in self._backward_pins:
             self._unpin(c)
         self._backward_pins = []
+        if self._recompute_pins and u not in self._recompute_units:
+            for c in self._recompute_pins:
+                self._unpin(c)
+            self._recompute_pins = []
+            self._recompute_units = set()
         if self.trace and not self.warming_up:
             start = len(self.trace) if self._backward_pos is None else self._backward_pos
             self._backward_pos = self._position(u, start - 1, forward=False)
@@ -522,6 +548,21 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
         super().setup(trainer)
         if self._streamer is not None:
             self._streamer.optimizers = [o for o in self.optimizers if isinstance(o, ChunkedAdamW)]
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._streamer is None:
+            return
+        # ActivationCheckpointing applies at on_fit_start: its blocks are known from here on.
+        index = {id(m): u for u, (_, m) in enumerate(self._streamer.unit_modules)}
+        groups = []
+        for module in self.model.modules():
+            if _installed(module) is not None:
+                inside = tuple(sorted({index[id(m)] for m in module.modules() if id(m) in index}))
+                if inside:
+                    groups.append(inside)
+        self._streamer.set_groups(groups)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

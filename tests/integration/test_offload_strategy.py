@@ -20,10 +20,14 @@ VOCAB = 16
 class Stack(LightningModule):
     """Tied embedding / head around a stack of linear layers; optionally one frozen layer."""
 
-    def __init__(self, layers: int = 8, frozen: bool = False) -> None:
+    def __init__(self, layers: int = 8, frozen: bool = False, blocks: bool = False) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, WIDTH)
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers))
+        if blocks:  # pairs of linear layers, for activation checkpointing of a block
+            pairs = (torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, WIDTH)) for _ in range(layers // 2))
+            self.layers = torch.nn.ModuleList(pairs)
+        else:
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers))
         self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
         self.head.weight = self.embed.weight
         if frozen:
@@ -57,9 +61,9 @@ def budget_for(model: torch.nn.Module) -> int:
     return param_bytes(model) // 3
 
 
-def fit(strategy=None, max_steps: int = 6, frozen: bool = False, ckpt_path=None, dirpath=None, **overrides):
+def fit(strategy=None, max_steps: int = 6, frozen: bool = False, ckpt_path=None, dirpath=None, blocks: bool = False, **overrides):
     seed_everything(0, workers=True)
-    model = Stack(frozen=frozen)
+    model = Stack(frozen=frozen, blocks=blocks)
     callbacks = [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1)] if dirpath else []
     kwargs = trainer_kwargs(max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(dirpath))
     if strategy is not None:
@@ -107,6 +111,20 @@ def test_frozen_layer_accumulation_and_clipping_equal_the_default_strategy():
     assert_same(model, reference)
     assert model.layers[2].weight.grad is None  # frozen: streamed for the forward, never stepped
     stats = strategy.memory_stats()
+    assert stats["peak_device_bytes"] <= stats["device_memory_budget"]
+    assert stats["streamed_chunks"] > 0
+
+
+@pytest.mark.parametrize("selective", [False, True])
+def test_activation_checkpointing_recomputes_a_block_within_the_budget(selective):
+    callbacks = lambda: [lc.ActivationCheckpointing({torch.nn.Sequential}, selective=selective)]  # noqa: E731
+    _, reference = fit(blocks=True, callbacks=callbacks())
+    strategy = offload()
+    _, model = fit(strategy, blocks=True, callbacks=callbacks())
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    stats = strategy.memory_stats()
+    assert stats["slots"] >= 2  # a block's two layers are on the device together while it recomputes
     assert stats["peak_device_bytes"] <= stats["device_memory_budget"]
     assert stats["streamed_chunks"] > 0
 
