@@ -8,6 +8,7 @@ import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import Logger
 from models import trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -191,3 +192,35 @@ trainer:
     stats = strategy.memory_stats()
     assert stats["device_memory_budget"] == 180_000 and stats["streamed_chunks"] > 0
     assert stats["peak_device_bytes"] <= 180_000
+
+
+class Recorder(Logger):
+    """Keeps what the callback logs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.logged.append(dict(metrics))
+
+
+def test_the_checkpoint_callback_logs_the_memory_stats(tmp_path):
+    recorder = Recorder()
+    callback = lc.ShardedModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=3, save_top_k=-1, metrics_file=None)
+    fit(offload(), max_steps=3, logger=recorder, callbacks=[callback], enable_checkpointing=True)
+    saves = [m for m in recorder.logged if "ckpt/stall_s" in m]
+    assert saves, recorder.logged
+    assert {"offload/device_memory_budget", "offload/peak_device_bytes", "offload/h2d_bytes"} <= set(saves[-1])
+    assert 0 < saves[-1]["offload/peak_device_bytes"] <= saves[-1]["offload/device_memory_budget"]
