@@ -52,6 +52,7 @@ def plan_offload(
     activation: Sequence[int] | None = None,
     prefetch: int = 0,
     together: Sequence[Sequence[int]] = (),
+    activation_peak: int = 0,
 ) -> OffloadPlan:
     """Choose resident chunks and the slot count for ``budget`` bytes.
 
@@ -61,7 +62,9 @@ def plan_offload(
     then the remaining bytes make chunks resident, the most used first. When everything fits,
     everything is resident. ``together``: sets of units whose chunks must be on the device at
     once (a checkpointed block recomputed in backward); each counts as one more unit. Raises
-    :class:`OffloadBudgetError` naming the unit (or set) that does not fit.
+    :class:`OffloadBudgetError` naming the unit (or set) that does not fit. ``activation_peak``:
+    the step's peak activation bytes where it is above every unit's (e.g. in the loss after the
+    last unit).
     """
     activation = list(activation) if activation is not None else [0] * len(units)
     units = list(units)
@@ -69,7 +72,7 @@ def plan_offload(
         chunks = tuple(sorted({c for u in group for c in units[u].chunks}))
         units.append(Unit(" + ".join(units[u].name for u in group) + " (recomputed together)", chunks))
         activation.append(max((activation[u] for u in group), default=0))
-    peak_activation = max(activation, default=0)
+    peak_activation = max(max(activation, default=0), activation_peak)
     total = sum(chunk_bytes)
     every = range(len(chunk_bytes))
     if total + peak_activation <= budget:

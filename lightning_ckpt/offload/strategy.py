@@ -87,7 +87,8 @@ class _Streamer:
         self.d2h_bytes = 0
         self.peak_device_bytes = 0
         self._live_activations = 0
-        self.unit_activation = [0] * len(units)
+        self.unit_activation = [0] * len(units)  # live activation bytes after each unit (warm-up)
+        self.traced_activation_peak = 0  # the warm-up step's peak, wherever it was
         self.trace: list[int] = []
         self.groups: list[tuple[int, ...]] = []  # units recomputed together (activation checkpointing)
         self.warming_up = True
@@ -147,6 +148,7 @@ class _Streamer:
         return plan_offload(
             self.chunk_nbytes, self.units, self.budget,
             trace=self.trace, activation=self.unit_activation, prefetch=self.prefetch, together=self.groups,
+            activation_peak=self.traced_activation_peak,
         )
 
     def set_groups(self, groups: list[tuple[int, ...]]) -> None:
@@ -385,6 +387,8 @@ class _Streamer:
     def _activation_change(self, nbytes: int) -> None:
         self._live_activations += nbytes
         if nbytes > 0:
+            if self.warming_up:
+                self.traced_activation_peak = max(self.traced_activation_peak, self._live_activations)
             self._note_peak()
 
     def _note_peak(self) -> None:

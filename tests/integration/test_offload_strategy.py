@@ -34,6 +34,7 @@ class Stack(LightningModule):
         if frozen:
             self.layers[2].requires_grad_(False)
         self.losses: list[float] = []
+        self.val_logits: list[torch.Tensor] = []
 
     def training_step(self, batch, batch_idx):
         (tokens,) = batch
@@ -44,6 +45,16 @@ class Stack(LightningModule):
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
         self.losses.append(loss.item())
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        (tokens,) = batch
+        x = self.embed(tokens[:, :-1])
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        self.val_logits.append(self.head(x).float())
+
+    def val_dataloader(self):
+        return self.train_dataloader()
 
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]
@@ -128,6 +139,19 @@ def test_activation_checkpointing_recomputes_a_block_within_the_budget(selective
     assert stats["slots"] >= 2  # a block's two layers are on the device together while it recomputes
     assert stats["peak_device_bytes"] <= stats["device_memory_budget"]
     assert stats["streamed_chunks"] > 0
+
+
+def test_bf16_autocast_and_validation_equal_the_default_strategy():
+    options = dict(precision="bf16-mixed", limit_val_batches=2, val_check_interval=3, num_sanity_val_steps=1)
+    _, reference = fit(**options)
+    # Autocast keeps a bf16 copy of every weight for backward: activations, counted in the budget.
+    strategy = lc.ChunkedOffloadStrategy(device_memory_budget=420_000, chunk_size="66KiB")
+    _, model = fit(strategy, **options)
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    assert len(model.val_logits) == len(reference.val_logits) == 5 and all(torch.equal(a, b) for a, b in zip(model.val_logits, reference.val_logits))
+    stats = strategy.memory_stats()
+    assert stats["peak_device_bytes"] <= stats["device_memory_budget"] and stats["streamed_chunks"] > 0
 
 
 def test_a_budget_below_one_unit_fails_at_setup_naming_the_unit_and_bytes():

@@ -99,3 +99,8 @@ def test_a_saved_view_of_a_slot_survives_the_slot_being_reused():
     assert unpacked.untyped_storage().data_ptr() == streamer.slots[0].data_ptr()
     activation = torch.randn(3, 5)
     assert streamer.unpack_saved(streamer.pack_saved(activation)) is activation
+
+
+def test_the_step_peak_counts_where_it_is_above_every_unit():
+    plan = plan_offload(CHUNKS, UNITS, 420, trace=TRACE, activation=[10, 10, 10, 10], activation_peak=70, prefetch=2)
+    assert plan.activation_bytes == 70 and plan.slots == 3 and plan.device_bytes == 420
