@@ -36,6 +36,7 @@ from typing import Any, Optional, Union
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
@@ -112,7 +113,9 @@ class _Streamer:
         entries = [(0, _aligned(p.numel() * p.element_size()), p.dtype) for p in params]
         layout = plan_chunks(entries, self._chunk_bytes_arg)
         self.specs = layout.chunks
-        self.chunk_nbytes = [spec.numel for spec in layout.chunks]  # "numel" is bytes here
+        # plan_chunks packs elements; each element here is a byte (sizes and offsets are bytes,
+        # each parameter padded to _ALIGN so every dtype views its place).
+        self.chunk_nbytes = [spec.numel for spec in layout.chunks]
         self.host = [torch.empty(n, dtype=torch.uint8, pin_memory=self.device.type == "cuda") for n in self.chunk_nbytes]
         self.chunk_of: dict[int, int] = {}
         with torch.no_grad():
@@ -478,7 +481,7 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
         prefetch: int = 2,
         unit_types: Optional[list[Union[type[torch.nn.Module], str]]] = None,
         device: Union[str, torch.device] = "cpu",
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        accelerator: Optional[Accelerator] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:

@@ -133,12 +133,12 @@ def test_frozen_layer_accumulation_and_clipping_equal_the_default_strategy():
 def test_activation_checkpointing_recomputes_a_block_within_the_budget(selective):
     callbacks = lambda: [lc.ActivationCheckpointing({torch.nn.Sequential}, selective=selective)]  # noqa: E731
     _, reference = fit(blocks=True, callbacks=callbacks())
-    strategy = offload()
+    strategy = offload(prefetch=0)  # without prefetch, one slot per unit would do
     _, model = fit(strategy, blocks=True, callbacks=callbacks())
     assert model.losses == reference.losses
     assert_same(model, reference)
     stats = strategy.memory_stats()
-    assert stats["slots"] >= 2  # a block's two layers are on the device together while it recomputes
+    assert stats["slots"] == 2  # a block's two layers are on the device together while it recomputes
     assert stats["peak_device_bytes"] <= stats["device_memory_budget"]
     assert stats["streamed_chunks"] > 0
 

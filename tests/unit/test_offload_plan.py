@@ -104,3 +104,19 @@ def test_a_saved_view_of_a_slot_survives_the_slot_being_reused():
 def test_the_step_peak_counts_where_it_is_above_every_unit():
     plan = plan_offload(CHUNKS, UNITS, 420, trace=TRACE, activation=[10, 10, 10, 10], activation_peak=70, prefetch=2)
     assert plan.activation_bytes == 70 and plan.slots == 3 and plan.device_bytes == 420
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"prefetch": -1}, r"`prefetch=-1` must be a non-negative int"),
+        ({"chunk_size": "lots"}, r"`chunk_size='lots'` is not a size"),
+        ({"device_memory_budget": "16 apples"}, r"`device_memory_budget='16 apples'` is not a size"),
+        ({"unit_types": []}, r"`unit_types` is empty"),
+    ],
+)
+def test_configuration_errors_name_the_argument(options, message):
+    from lightning_ckpt import ChunkedOffloadStrategy
+
+    with pytest.raises(ValueError, match=message):
+        ChunkedOffloadStrategy(**options)
