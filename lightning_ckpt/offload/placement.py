@@ -59,8 +59,8 @@ def plan_offload(
     Without a trace (before the warm-up step) the plan is the smallest streaming one: chunks used
     by no unit resident, as many slots as the unit with the most chunks needs. With a trace, the
     slots grow to hold the ``prefetch`` units after the running one (as far as the budget allows),
-    then the remaining bytes make chunks resident, the most used first. When everything fits,
-    everything is resident. ``together``: sets of units whose chunks must be on the device at
+    then the remaining bytes make chunks resident, the most used first. When everything fits with
+    the traced activations, everything is resident. ``together``: sets of units whose chunks must be on the device at
     once (a checkpointed block recomputed in backward); each counts as one more unit. Raises
     :class:`OffloadBudgetError` naming the unit (or set) that does not fit. ``activation_peak``:
     the step's peak activation bytes where it is above every unit's (e.g. in the loss after the
@@ -75,9 +75,10 @@ def plan_offload(
     peak_activation = max(max(activation, default=0), activation_peak)
     total = sum(chunk_bytes)
     every = range(len(chunk_bytes))
-    if total + peak_activation <= budget:
-        return OffloadPlan(budget, frozenset(every), 0, 0, total, peak_activation)
     used = {c for unit in units for c in unit.chunks}
+    # Before the warm-up the activations are unknown: all resident could already be too much.
+    if (trace and total + peak_activation <= budget) or not used:
+        return OffloadPlan(budget, frozenset(every), 0, 0, total, peak_activation)
     # A chunk no unit holds is read outside every unit's hooks: it cannot be streamed.
     resident = {c for c in every if c not in used}
     resident_bytes = sum(chunk_bytes[c] for c in resident)

@@ -20,6 +20,8 @@ def test_everything_resident_when_it_fits():
     plan = plan_offload(CHUNKS, UNITS, 500, trace=TRACE, activation=[10, 20, 30, 40])
     assert plan.resident == frozenset(range(5)) and plan.slots == 0
     assert plan.device_bytes == 490
+    # Before the warm-up step the activations are unknown: streaming, even when the chunks fit.
+    assert plan_offload(CHUNKS, UNITS, 500).slots == 1
 
 
 def test_smallest_plan_before_the_warm_up():
@@ -120,3 +122,32 @@ def test_configuration_errors_name_the_argument(options, message):
 
     with pytest.raises(ValueError, match=message):
         ChunkedOffloadStrategy(**options)
+
+
+def test_prefetch_order_and_eviction_after_the_warm_up():
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 4) for _ in range(4)]
+    model = torch.nn.Sequential(*layers)
+    # One 128-byte chunk per layer; the warm-up traces 240 bytes of activations: two slots fit.
+    streamer = _Streamer([(str(i), m) for i, m in enumerate(layers)], list(model.parameters()), 128, 584, 2, torch.device("cpu"))
+    held: list[list[int | None]] = []
+    for layer in layers:  # registered after the streamer's hooks: sees the slots after each fetch
+        layer.register_forward_pre_hook(lambda module, args: held.append(list(streamer.holder)))
+    x = torch.randn(3, 4, requires_grad=True)
+    expected_grads = []
+    for step in range(2):
+        held.clear()
+        with torch.autograd.graph.saved_tensors_hooks(streamer.pack_saved, streamer.unpack_saved):
+            loss = model(x).pow(2).sum()
+        loss.backward()
+        streamer.end_backward()
+        expected_grads.append([p.grad.clone() for p in model.parameters()])
+        assert streamer.holder == [None] * len(streamer.slots)  # after backward: every slot free
+        for p in model.parameters():
+            p.grad = None
+    assert streamer.plan.slots == 2 and streamer.plan.activation_bytes == 240
+    # Layer 0 runs with layer 1 prefetched; layer 2 then takes layer 0's slot (used furthest
+    # ahead: last in backward); layer 3 takes layer 1's.
+    assert held == [[0, 1], [2, 1], [2, 3], [2, 3]]
+    assert streamer.peak_device_bytes <= 584
+    assert all(torch.equal(a, b) for a, b in zip(*expected_grads))  # same weights, same gradients
