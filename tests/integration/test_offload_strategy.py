@@ -255,3 +255,22 @@ def test_the_checkpoint_callback_logs_the_memory_stats(tmp_path):
     assert saves, recorder.logged
     assert {"offload/device_memory_budget", "offload/peak_device_bytes", "offload/h2d_bytes"} <= set(saves[-1])
     assert 0 < saves[-1]["offload/peak_device_bytes"] <= saves[-1]["offload/device_memory_budget"]
+
+
+class AdamWStack(Stack):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+
+
+def test_any_optimizer_steps_the_host_chunks():
+    def run(strategy=None) -> Stack:
+        seed_everything(0, workers=True)
+        model = AdamWStack()
+        kwargs = trainer_kwargs(max_steps=6, enable_checkpointing=False)
+        Trainer(**kwargs, **({"strategy": strategy} if strategy else {})).fit(model)
+        return model
+
+    reference = run()
+    model = run(offload())
+    assert model.losses == reference.losses
+    assert_same(model, reference)
