@@ -7,9 +7,10 @@ resident chunks (for the whole run) and a fixed pool of slots, one streamed chun
 
 Call order, per training step (all on the main thread):
 
-1. forward pre-hook of a unit: wait for ``ChunkedAdamW`` to finish the unit's chunks, fetch them
-   into slots (pinned while the unit runs: never evicted), then fetch the next ``prefetch`` units
-   of the traced order into free slots; forward hook: unpin.
+1. forward pre-hook of a unit: fetch its chunks into slots, pinned while the unit runs (never
+   evicted), each after ``ChunkedAdamW`` has stepped every parameter in it (a chunk can hold
+   parameters of several units); then fetch the next ``prefetch`` units of the traced order into
+   free slots; forward hook: unpin.
 2. Autograd saves a parameter, or a view of a slot, through this strategy's saved-tensor hooks:
    it is packed as (parameter or chunk, view geometry), never as the slot's memory, so a slot
    can be reused by another chunk while the graph waits for backward.
@@ -247,6 +248,11 @@ class _Streamer:
                     " read outside the forward of the module that registers it?). Name larger units with"
                     " `unit_types`, or raise `device_memory_budget`."
                 )
+            # A chunk can hold parameters of several units: wait for the optimizer's step of every
+            # one of them before its host memory is copied.
+            params = [self.params[s.param] for s in self.specs[chunk].slots]
+            for optimizer in self.optimizers:
+                optimizer.wait_for(params)
             buffer = self.slots[slot][: self.chunk_nbytes[chunk]]
             with torch.no_grad():
                 buffer.copy_(self.host[chunk], non_blocking=True)
@@ -261,12 +267,7 @@ class _Streamer:
         if self.pins.get(chunk):
             self.pins[chunk] -= 1
 
-    def _wait_optimizers(self, u: int) -> None:
-        for optimizer in self.optimizers:
-            optimizer.wait_for(self.unit_params[u])
-
     def _fetch_unit(self, u: int, pin: bool, distance: float | None = None) -> None:
-        self._wait_optimizers(u)
         for c in self.units[u].chunks:
             self._fetch(c, pin, distance)
 

@@ -4,10 +4,12 @@ clipping, and checkpoints moving between the two strategies."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from models import cli_trainer_yaml, trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
@@ -274,3 +276,28 @@ def test_any_optimizer_steps_the_host_chunks():
     model = run(offload())
     assert model.losses == reference.losses
     assert_same(model, reference)
+
+
+class SlowOptimizerSteps(Callback):
+    """Delays every chunk ChunkedAdamW's worker steps: the next forward overlaps the steps."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        worker = trainer.optimizers[0]._worker
+        run = worker.run
+
+        def slow(job) -> None:
+            time.sleep(0.01)
+            run(job)
+
+        worker.run = slow
+
+
+def test_a_chunk_shared_by_two_units_waits_for_both_steps():
+    _, reference = fit()
+    # Two layers per strategy chunk, one (or less) per ChunkedAdamW chunk: a fetch for one layer
+    # must also wait for the step of the other layer in its chunk.
+    strategy = lc.ChunkedOffloadStrategy(device_memory_budget=budget_for(Stack()), chunk_size="140KiB")
+    _, model = fit(strategy, callbacks=[SlowOptimizerSteps()])
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    assert strategy.memory_stats()["streamed_chunks"] > 0
