@@ -7,6 +7,12 @@ write-back), ``torch.optim.AdamW`` foreach and fused, and the host memory-bandwi
 28 bytes per parameter an AdamW step must move (read parameter, gradient and both moments, write
 parameter and both moments) at the bandwidth of a ``copy_`` between two preallocated buffers.
 
+Strategy rows (``--strategy``, CPU): whole training steps (forward, backward, ``ChunkedAdamW``
+step) of the linear stack of ``--layers`` x ``--width`` on ``--batch`` rows, with the parameters
+streamed by ``ChunkedOffloadStrategy``'s machinery (hooks, slot copies, waits; one chunk per
+layer, a device budget of ``--budget-fraction`` of the parameter bytes) against the same model
+fully resident: the strategy's overhead per step.
+
 GPU rows (``--device cuda``): whole training steps (forward and backward under bf16 autocast,
 optimizer step) of a stack of ``--layers`` linear layers of ``--width`` on ``--batch`` rows, for
 AdamW on the GPU (fused), ``ChunkedAdamW``, FSDP2 ``fully_shard(offload_policy=CPUOffloadPolicy())``
@@ -48,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--width", type=int, default=4096, help="--device cuda: layer width")
     parser.add_argument("--layers", type=int, default=16, help="--device cuda: linear layers")
     parser.add_argument("--batch", type=int, default=8192, help="--device cuda: rows per step")
+    parser.add_argument("--strategy", action="store_true", help="CPU rows of ChunkedOffloadStrategy's overhead per training step")
+    parser.add_argument("--budget-fraction", type=float, default=0.34, help="--strategy: device budget / parameter bytes")
+    parser.add_argument("--prefetch", type=int, default=2, help="--strategy: units fetched ahead")
     add_json_argument(parser)
     return parser
 
@@ -229,9 +238,78 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def run_strategy(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The strategy rows: training steps with parameters streamed under a budget vs resident."""
+    from contextlib import nullcontext
+
+    import torch
+
+    from lightning_ckpt import ChunkedAdamW
+    from lightning_ckpt.offload.placement import OffloadBudgetError
+    from lightning_ckpt.offload.strategy import _Streamer
+
+    layer_bytes = (args.width * args.width + args.width) * 4 + 128  # one chunk per layer (aligned)
+    rows = []
+    for name in ("resident (no strategy)", "ChunkedOffloadStrategy"):
+        seconds, stats = [], None
+        for _ in range(args.repeats):
+            torch.manual_seed(0)
+            layers: list[torch.nn.Module] = []
+            for _ in range(args.layers):
+                layers += [torch.nn.Linear(args.width, args.width), torch.nn.GELU()]
+            model = torch.nn.Sequential(*layers)
+            x = torch.randn(args.batch, args.width)
+            streamer = None
+            if name == "ChunkedOffloadStrategy":
+                units = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+                budget = int(sum(p.numel() * 4 for p in model.parameters()) * args.budget_fraction)
+                try:
+                    streamer = _Streamer(units, list(model.parameters()), layer_bytes, budget, args.prefetch, torch.device("cpu"))
+                except OffloadBudgetError as exc:
+                    rows.append({"contender": name, "error": str(exc)})
+                    break
+            optimizer = ChunkedAdamW(model.parameters(), chunk_size=args.chunk_size)
+            if streamer is not None:
+                streamer.optimizers = [optimizer]
+
+            def step() -> None:
+                hooks = torch.autograd.graph.saved_tensors_hooks(streamer.pack_saved, streamer.unpack_saved) if streamer else nullcontext()
+                with hooks:
+                    loss = model(x).pow(2).mean()
+                loss.backward()
+                if streamer is not None:
+                    streamer.end_backward()
+                optimizer.step()
+                optimizer.zero_grad()
+
+            step()  # the warm-up step (traced plan) is not timed
+            seconds.append(_time_steps(step, args.steps, optimizer.wait))
+            if streamer is not None:
+                stats = streamer.stats()
+                streamer.close()
+        else:
+            rows.append({"contender": name, "step_seconds": seconds, "median_step_seconds": median(seconds), **(stats or {})})
+    resident = rows[0].get("median_step_seconds")
+    for row in rows:
+        if row.get("median_step_seconds") and resident:
+            row["vs_resident"] = row["median_step_seconds"] / resident
+    return rows
+
+
 def render_table(rows: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
+    if any("vs_resident" in row or "error" in row for row in rows):
+        table = Table(title="training step, parameters streamed vs resident (medians)")
+        for column in ("contender", "step s", "x resident", "budget MB", "peak device MB", "H2D MB", "D2H MB", "error"):
+            table.add_column(column, justify="left" if column in ("contender", "error") else "right")
+        for row in rows:
+            table.add_row(
+                row["contender"], fmt(row.get("median_step_seconds"), 4), fmt(row.get("vs_resident")),
+                *(fmt(row[k] / 2**20 if row.get(k) is not None else None, 2) for k in ("device_memory_budget", "peak_device_bytes", "h2d_bytes", "d2h_bytes")),
+                row.get("error", ""),
+            )
+        return table
     table = Table(title="optimizer step (medians)")
     for column in ("contender", "step s", "Mparams/s", "x floor", "x foreach", "peak device MB", "host RSS MB", "pinned MB"):
         table.add_column(column, justify="left" if column == "contender" else "right")
@@ -259,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         print("bench --mode offload --device cuda needs a CUDA device; run without --device for the CPU rows.", file=sys.stderr)
         return 2
     started = time.time()
-    rows = run_gpu(args) if args.device == "cuda" else run(args)
+    if args.device == "cuda":
+        rows = run_gpu(args)
+    else:
+        rows = run_strategy(args) if args.strategy else run(args)
     settings = {k: v for k, v in vars(args).items() if k != "json_path"}
     report = {**report_header(argv, started), "settings": settings, "machine": machine_info(os.getcwd(), cuda=args.device == "cuda"), "results": rows}
     emit_report(render_table(rows), report, args.json_path)

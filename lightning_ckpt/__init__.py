@@ -30,6 +30,8 @@ _LAZY = {
     "apply_activation_checkpointing": "lightning_ckpt.activation",
     "remove_activation_checkpointing": "lightning_ckpt.activation",
     "ChunkedAdamW": "lightning_ckpt.offload",
+    "ChunkedOffloadStrategy": "lightning_ckpt.offload.strategy",
+    "OffloadBudgetError": "lightning_ckpt.offload.placement",
     "ShardedCheckpointIO": "lightning_ckpt.io",
     "ShardedModelCheckpoint": "lightning_ckpt.callback",
     "ShardedFabricDDPStrategy": "lightning_ckpt.fabric",
@@ -54,6 +56,8 @@ if TYPE_CHECKING:
     )
     from lightning_ckpt.callback import ShardedModelCheckpoint
     from lightning_ckpt.offload import ChunkedAdamW
+    from lightning_ckpt.offload.placement import OffloadBudgetError
+    from lightning_ckpt.offload.strategy import ChunkedOffloadStrategy
     from lightning_ckpt.distributed import ShardedStorageReader
     from lightning_ckpt.fabric import (
         ShardedFabricDDPStrategy,
@@ -91,8 +95,10 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointWriteError",
     "ChunkedAdamW",
+    "ChunkedOffloadStrategy",
     "CorruptCheckpointError",
     "MissingDependencyError",
+    "OffloadBudgetError",
     "ShardedCheckpointIO",
     "ShardedModelCheckpoint",
     "ShardedFabricDDPStrategy",

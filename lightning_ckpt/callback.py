@@ -684,6 +684,10 @@ class ShardedModelCheckpoint(ModelCheckpoint):
     @staticmethod
     def _log(trainer: pl.Trainer, record: SaveRecord) -> None:
         metrics = record.metrics()
+        # A strategy that accounts device memory (ChunkedOffloadStrategy) logs it with each save.
+        memory_stats = getattr(trainer.strategy, "memory_stats", None)
+        if callable(memory_stats):
+            metrics.update({f"offload/{key}": float(value) for key, value in memory_stats().items()})
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 

@@ -62,6 +62,21 @@ def trainer_kwargs(**overrides):
     return kwargs
 
 
+def cli_trainer_yaml(root, max_steps: int = 2) -> str:
+    """The ``trainer:`` section of a LightningCLI config for a quiet CPU run (append options to it,
+    indented by two spaces)."""
+    return f"""
+trainer:
+  default_root_dir: {root}
+  max_steps: {max_steps}
+  accelerator: cpu
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+"""
+
+
 def fit_regressor(max_epochs: int, dirpath=None, every_n_train_steps: int = 2, ckpt_path=None, plugin=None, **overrides):
     """Seeded fit of a fresh ``TinyRegressor``; with ``dirpath``, a top-2 + ``last`` ModelCheckpoint
     on ``train_loss`` every ``every_n_train_steps``. Returns (trainer, model)."""

@@ -389,6 +389,11 @@ class ChunkedAdamW(Optimizer):
         """Block until every queued chunk is stepped and written back (raises a worker failure)."""
         self._wait(self._chunks)
 
+    def wait_for(self, params: Iterable[torch.Tensor]) -> None:
+        """Block until the chunks holding ``params`` are stepped and written back."""
+        found = {id(entry[0]): entry[0] for p in params if (entry := self._where.get(p)) is not None}
+        self._wait(found.values())
+
     def _module_chunks(self, module: torch.nn.Module) -> list[_Chunk]:
         found = {id(self._where[p][0]): self._where[p][0] for p in module._parameters.values() if p in self._where}
         return list(found.values())

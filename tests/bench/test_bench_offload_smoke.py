@@ -21,3 +21,16 @@ def test_bench_offload_tiny(tmp_path: Path) -> None:
         assert row["params_per_second"] > 0 and row["vs_floor"] > 0
     assert rows["AdamW foreach"]["vs_foreach"] == 1.0
     assert rows["bandwidth floor"]["stream_bytes_per_second"] > 0
+
+
+def test_bench_offload_strategy_tiny(tmp_path: Path) -> None:
+    json_path = tmp_path / "strategy.json"
+    argv = ["--mode", "offload", "--strategy", "--width", "64", "--layers", "6", "--batch", "4",
+            "--steps", "2", "--repeats", "1", "--json", str(json_path)]
+    assert bench.main(argv) == 0
+    rows = {r["contender"]: r for r in json.loads(json_path.read_text())["results"]}
+    assert set(rows) == {"resident (no strategy)", "ChunkedOffloadStrategy"}
+    streamed = rows["ChunkedOffloadStrategy"]
+    assert streamed["median_step_seconds"] > 0 and streamed["vs_resident"] > 0
+    assert 0 < streamed["peak_device_bytes"] <= streamed["device_memory_budget"]
+    assert streamed["streamed_chunks"] > 0 and streamed["h2d_bytes"] > 0

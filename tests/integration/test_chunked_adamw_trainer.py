@@ -8,7 +8,7 @@ import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
-from models import trainer_kwargs
+from models import cli_trainer_yaml, trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_ckpt as lc
@@ -161,16 +161,8 @@ def test_chunked_adamw_from_a_lightning_cli_config(tmp_path):
 
     config = tmp_path / "config.yaml"
     config.write_text(
-        f"""
-trainer:
-  default_root_dir: {tmp_path}
-  max_steps: 2
-  accelerator: cpu
-  logger: false
-  enable_checkpointing: false
-  enable_progress_bar: false
-  enable_model_summary: false
-optimizer:
+        cli_trainer_yaml(tmp_path)
+        + """optimizer:
   class_path: lightning_ckpt.ChunkedAdamW
   init_args:
     lr: 0.01

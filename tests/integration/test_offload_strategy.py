@@ -1,0 +1,303 @@
+"""ChunkedOffloadStrategy under a real Trainer on the CPU: exactness against the default strategy
+with ChunkedAdamW, budget adherence, streaming, tied and frozen parameters, accumulation,
+clipping, and checkpoints moving between the two strategies."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
+from models import cli_trainer_yaml, trainer_kwargs
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_ckpt as lc
+
+WIDTH = 128
+VOCAB = 16
+
+
+class Stack(LightningModule):
+    """Tied embedding / head around a stack of linear layers; optionally one frozen layer."""
+
+    def __init__(self, layers: int = 8, frozen: bool = False, blocks: bool = False, compiled: bool = False) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        if blocks:  # pairs of linear layers, for activation checkpointing of a block
+            pairs = (torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, WIDTH)) for _ in range(layers // 2))
+            self.layers = torch.nn.ModuleList(pairs)
+        else:
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers))
+        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        if frozen:
+            self.layers[2].requires_grad_(False)
+        if compiled:  # one unit's forward compiled; the strategy's module hooks stay outside it
+            self.layers[3].forward = torch.compile(self.layers[3].forward, backend="aot_eager")
+        self.losses: list[float] = []
+        self.val_logits: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        x = self.embed(tokens[:, :-1])
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        logits = self.head(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        (tokens,) = batch
+        x = self.embed(tokens[:, :-1])
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        self.val_logits.append(self.head(x).float())
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad]
+        return lc.ChunkedAdamW(params, lr=1e-2, weight_decay=0.1, chunk_size="64KiB")
+
+    def train_dataloader(self):
+        gen = torch.Generator().manual_seed(3)
+        return DataLoader(TensorDataset(torch.randint(0, VOCAB, (12, 4), generator=gen)), batch_size=1)
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def budget_for(model: torch.nn.Module) -> int:
+    return param_bytes(model) // 3
+
+
+def fit(strategy=None, max_steps: int = 6, frozen: bool = False, ckpt_path=None, dirpath=None, blocks: bool = False, compiled: bool = False, **overrides):
+    seed_everything(0, workers=True)
+    model = Stack(frozen=frozen, blocks=blocks, compiled=compiled)
+    callbacks = [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1)] if dirpath else []
+    kwargs = trainer_kwargs(max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(dirpath))
+    if strategy is not None:
+        kwargs["strategy"] = strategy
+    kwargs.update(overrides)
+    trainer = Trainer(**kwargs)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    trainer.optimizers[0].wait()
+    return trainer, model
+
+
+def offload(**options) -> lc.ChunkedOffloadStrategy:
+    budget = budget_for(Stack())
+    return lc.ChunkedOffloadStrategy(device_memory_budget=budget, chunk_size="66KiB", **options)
+
+
+def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, x), y in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_streams_within_budget_and_equals_the_default_strategy(prefetch):
+    reference_trainer, reference = fit()
+    strategy = offload(prefetch=prefetch)
+    trainer, model = fit(strategy)
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    stats = strategy.memory_stats()
+    assert param_bytes(model) >= 3 * stats["device_memory_budget"]
+    assert 0 < stats["peak_device_bytes"] <= stats["device_memory_budget"]
+    assert stats["streamed_chunks"] > 0
+    # Every step fetched more parameter bytes than the device may hold at once.
+    assert stats["h2d_bytes"] > 6 * stats["device_memory_budget"]
+    assert stats["d2h_bytes"] > 0
+
+
+def test_frozen_layer_accumulation_and_clipping_equal_the_default_strategy():
+    options = dict(frozen=True, accumulate_grad_batches=2, gradient_clip_val=0.05)
+    _, reference = fit(**options)
+    strategy = offload()
+    trainer, model = fit(strategy, **options)
+    assert trainer.global_step == 6
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    assert model.layers[2].weight.grad is None  # frozen: streamed for the forward, never stepped
+    stats = strategy.memory_stats()
+    assert stats["peak_device_bytes"] <= stats["device_memory_budget"]
+    assert stats["streamed_chunks"] > 0
+
+
+@pytest.mark.parametrize("selective", [False, True])
+def test_activation_checkpointing_recomputes_a_block_within_the_budget(selective):
+    callbacks = lambda: [lc.ActivationCheckpointing({torch.nn.Sequential}, selective=selective)]  # noqa: E731
+    _, reference = fit(blocks=True, callbacks=callbacks())
+    strategy = offload(prefetch=0)  # without prefetch, one slot per unit would do
+    _, model = fit(strategy, blocks=True, callbacks=callbacks())
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    stats = strategy.memory_stats()
+    assert stats["slots"] == 2  # a block's two layers are on the device together while it recomputes
+    assert stats["peak_device_bytes"] <= stats["device_memory_budget"]
+    assert stats["streamed_chunks"] > 0
+
+
+def test_bf16_autocast_and_validation_equal_the_default_strategy():
+    options = dict(precision="bf16-mixed", limit_val_batches=2, val_check_interval=3, num_sanity_val_steps=1)
+    _, reference = fit(**options)
+    # Autocast keeps a bf16 copy of every weight for backward: activations, counted in the budget.
+    strategy = lc.ChunkedOffloadStrategy(device_memory_budget=420_000, chunk_size="66KiB")
+    _, model = fit(strategy, **options)
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    assert len(model.val_logits) == len(reference.val_logits) == 5 and all(torch.equal(a, b) for a, b in zip(model.val_logits, reference.val_logits))
+    stats = strategy.memory_stats()
+    assert stats["peak_device_bytes"] <= stats["device_memory_budget"] and stats["streamed_chunks"] > 0
+
+
+def test_a_compiled_unit_streams_without_recompiles():
+    torch._dynamo.reset()
+    _, reference = fit(compiled=True)
+    torch._dynamo.reset()
+    strategy = offload()
+    # Parameters change storage between host chunks and slots every step: that must not recompile.
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        _, model = fit(strategy, compiled=True)
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    assert strategy.memory_stats()["streamed_chunks"] > 0
+
+
+def test_a_budget_below_one_unit_fails_at_setup_naming_the_unit_and_bytes():
+    strategy = lc.ChunkedOffloadStrategy(device_memory_budget=40_000, chunk_size="66KiB")
+    with pytest.raises(lc.OffloadBudgetError, match=r"`device_memory_budget=40000`.* unit 'layers\.0': its parameter chunks take 66048 bytes"):
+        fit(strategy)
+
+
+def test_unit_types_fetch_a_whole_block_as_one_unit():
+    strategy = lc.ChunkedOffloadStrategy(device_memory_budget="10MB", chunk_size="66KiB", unit_types=[torch.nn.ModuleList])
+    _, reference = fit()
+    trainer, model = fit(strategy)
+    assert model.losses == reference.losses
+    assert [name for name, _ in strategy._units(model)] == ["layers"]
+
+
+# Resumes from a checkpoint taken at the last batch of an epoch (12 batches).
+EPOCH = 12
+
+
+@pytest.mark.parametrize("offload_first", [True, False])
+def test_checkpoints_resume_across_strategies_bit_identical(tmp_path, offload_first):
+    _, reference = fit(max_steps=2 * EPOCH)
+    folder = tmp_path / "ckpts"
+    fit(offload() if offload_first else None, max_steps=EPOCH, dirpath=folder, plugins=[lc.ShardedCheckpointIO()])
+    name = f"epoch=0-step={EPOCH}.ckpt"
+    saved = lc.load_checkpoint(folder / name)
+    assert set(saved["state_dict"]) == set(reference.state_dict())  # the standard key layout
+    strategy = None if offload_first else offload()
+    _, resumed = fit(strategy, max_steps=2 * EPOCH, ckpt_path=str(folder / name), plugins=[lc.ShardedCheckpointIO()])
+    assert resumed.losses == reference.losses[EPOCH:]
+    assert_same(resumed, reference)
+
+
+def test_from_a_lightning_cli_config(tmp_path):
+    pytest.importorskip("jsonargparse")
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        cli_trainer_yaml(tmp_path)
+        + """  strategy:
+    class_path: lightning_ckpt.ChunkedOffloadStrategy
+    init_args:
+      device_memory_budget: 180KB
+      chunk_size: 66KiB
+      prefetch: 1
+      unit_types: [torch.nn.Linear, torch.nn.Embedding]
+"""
+    )
+    cli = LightningCLI(Stack, args=["fit", "--config", str(config)], save_config_callback=None)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, lc.ChunkedOffloadStrategy) and strategy.prefetch == 1
+    stats = strategy.memory_stats()
+    assert stats["device_memory_budget"] == 180_000 and stats["streamed_chunks"] > 0
+    assert stats["peak_device_bytes"] <= 180_000
+
+
+class Recorder(Logger):
+    """Keeps what the callback logs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.logged.append(dict(metrics))
+
+
+def test_the_checkpoint_callback_logs_the_memory_stats(tmp_path):
+    recorder = Recorder()
+    callback = lc.ShardedModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=3, save_top_k=-1, metrics_file=None)
+    fit(offload(), max_steps=3, logger=recorder, callbacks=[callback], enable_checkpointing=True)
+    saves = [m for m in recorder.logged if "ckpt/stall_s" in m]
+    assert saves, recorder.logged
+    assert {"offload/device_memory_budget", "offload/peak_device_bytes", "offload/h2d_bytes"} <= set(saves[-1])
+    assert 0 < saves[-1]["offload/peak_device_bytes"] <= saves[-1]["offload/device_memory_budget"]
+
+
+class AdamWStack(Stack):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+
+
+def test_any_optimizer_steps_the_host_chunks():
+    def run(strategy=None) -> Stack:
+        seed_everything(0, workers=True)
+        model = AdamWStack()
+        kwargs = trainer_kwargs(max_steps=6, enable_checkpointing=False)
+        Trainer(**kwargs, **({"strategy": strategy} if strategy else {})).fit(model)
+        return model
+
+    reference = run()
+    model = run(offload())
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+
+
+class SlowOptimizerSteps(Callback):
+    """Delays every chunk ChunkedAdamW's worker steps: the next forward overlaps the steps."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        worker = trainer.optimizers[0]._worker
+        run = worker.run
+
+        def slow(job) -> None:
+            time.sleep(0.01)
+            run(job)
+
+        worker.run = slow
+
+
+def test_a_chunk_shared_by_two_units_waits_for_both_steps():
+    _, reference = fit()
+    # Two layers per strategy chunk, one (or less) per ChunkedAdamW chunk: a fetch for one layer
+    # must also wait for the step of the other layer in its chunk.
+    strategy = lc.ChunkedOffloadStrategy(device_memory_budget=budget_for(Stack()), chunk_size="140KiB")
+    _, model = fit(strategy, callbacks=[SlowOptimizerSteps()])
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    assert strategy.memory_stats()["streamed_chunks"] > 0

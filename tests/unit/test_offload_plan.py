@@ -1,0 +1,153 @@
+"""The placement plan of ChunkedOffloadStrategy (pure) and the streamer's slot bookkeeping."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lightning_ckpt.offload.placement import OffloadBudgetError, Unit, plan_offload
+from lightning_ckpt.offload.strategy import _Streamer
+
+# Four units of one 100-byte chunk each, and chunk 4 (50 bytes) that no unit holds.
+CHUNKS = [100, 100, 100, 100, 50]
+UNITS = [Unit(f"u{i}", (i,)) for i in range(4)]
+TRACE = [0, 1, 2, 3]
+
+
+def test_everything_resident_when_it_fits():
+    plan = plan_offload(CHUNKS, UNITS, 500, trace=TRACE, activation=[10, 20, 30, 40])
+    assert plan.resident == frozenset(range(5)) and plan.slots == 0
+    assert plan.device_bytes == 490
+    # Before the warm-up step the activations are unknown: streaming, even when the chunks fit.
+    assert plan_offload(CHUNKS, UNITS, 500).slots == 1
+
+
+def test_smallest_plan_before_the_warm_up():
+    plan = plan_offload(CHUNKS, UNITS, 300)
+    # Chunk 4 is read outside every unit: always resident. One slot: each unit has one chunk.
+    assert plan.resident == {4} and plan.slots == 1 and plan.slot_bytes == 100
+    assert plan.device_bytes == 150
+
+
+def test_prefetch_slots_then_residents_by_use_within_the_budget():
+    plan = plan_offload(CHUNKS, UNITS, 420, trace=[0, 1, 0, 2, 3], activation=[10, 10, 10, 10], prefetch=2)
+    assert plan.slots == 3  # the running unit and the two after it
+    assert plan.device_bytes <= 420
+    plan = plan_offload(CHUNKS, UNITS, 440, trace=[0, 1, 0, 2, 3], activation=[10, 10, 10, 10], prefetch=1)
+    assert plan.slots == 2
+    assert plan.resident == {0, 4}  # unit 0 runs twice: its chunk is the first made resident
+    assert plan.device_bytes == 360
+
+
+def test_budget_too_small_names_the_unit_and_the_bytes():
+    with pytest.raises(OffloadBudgetError, match=r"`device_memory_budget=200`.*unit 'u2'.* 100 bytes and its activations 90 bytes.* needs 240 bytes"):
+        plan_offload(CHUNKS, UNITS, 200, trace=TRACE, activation=[10, 20, 90, 40])
+
+
+def test_plans_stay_within_the_budget():
+    rng = random.Random(0)
+    for _ in range(300):
+        chunks = [rng.randint(1, 100) for _ in range(rng.randint(1, 12))]
+        units = [Unit(f"u{u}", tuple(rng.sample(range(len(chunks)), rng.randint(1, min(3, len(chunks)))))) for u in range(rng.randint(1, 6))]
+        trace = [rng.randrange(len(units)) for _ in range(rng.randint(1, 10))]
+        activation = [rng.randint(0, 50) for _ in units]
+        budget = rng.randint(50, sum(chunks) + 60)
+        try:
+            plan = plan_offload(chunks, units, budget, trace=trace, activation=activation, prefetch=rng.randint(0, 3))
+        except OffloadBudgetError:
+            continue
+        assert plan.device_bytes <= budget
+        streamed = {c for u in units for c in u.chunks} - plan.resident
+        assert all(len(set(u.chunks) & streamed) <= plan.slots for u in units)
+        assert all(chunks[c] <= plan.slot_bytes for c in streamed)
+
+
+def two_layers() -> tuple[list[torch.nn.Linear], _Streamer]:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+    # 64 + 64 bytes per layer (weight, bias padded): one 128-byte chunk each; 200 bytes: one slot.
+    params = [p for layer in layers for p in layer.parameters()]
+    streamer = _Streamer([("a", layers[0]), ("b", layers[1])], params, 128, 200, 0, torch.device("cpu"))
+    return layers, streamer
+
+
+def test_host_chunks_hold_the_parameters_and_slots_are_reused():
+    layers, streamer = two_layers()
+    assert streamer.plan.slots == 1 and streamer.plan.resident == frozenset()
+    expected = layers[0].weight.detach().clone()
+    streamer._fetch_unit(0, pin=True)
+    assert layers[0].weight.untyped_storage().data_ptr() == streamer.slots[0].data_ptr()
+    with pytest.raises(RuntimeError, match="no free slot for chunk 1"):
+        streamer._fetch_unit(1, pin=True)  # the only slot is pinned: never evicted
+    streamer._unpin(0)
+    streamer._fetch_unit(1, pin=True)
+    assert layers[0].weight.untyped_storage().data_ptr() == streamer.host[0].data_ptr()
+    assert torch.equal(layers[0].weight, expected)
+    assert streamer.h2d_bytes == 256
+
+
+def test_a_saved_view_of_a_slot_survives_the_slot_being_reused():
+    layers, streamer = two_layers()
+    expected = layers[0].weight.detach().t().clone()
+    streamer._fetch_unit(0, pin=True)
+    packed = streamer.pack_saved(layers[0].weight.t())  # what autograd saves for a linear layer
+    streamer._unpin(0)
+    streamer._fetch_unit(1, pin=True)  # the slot now holds layer 1's chunk
+    streamer._unpin(1)
+    unpacked = streamer.unpack_saved(packed)  # fetches layer 0's chunk again
+    assert torch.equal(unpacked, expected)
+    assert unpacked.untyped_storage().data_ptr() == streamer.slots[0].data_ptr()
+    activation = torch.randn(3, 5)
+    assert streamer.unpack_saved(streamer.pack_saved(activation)) is activation
+
+
+def test_the_step_peak_counts_where_it_is_above_every_unit():
+    plan = plan_offload(CHUNKS, UNITS, 420, trace=TRACE, activation=[10, 10, 10, 10], activation_peak=70, prefetch=2)
+    assert plan.activation_bytes == 70 and plan.slots == 3 and plan.device_bytes == 420
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"prefetch": -1}, r"`prefetch=-1` must be a non-negative int"),
+        ({"chunk_size": "lots"}, r"`chunk_size='lots'` is not a size"),
+        ({"device_memory_budget": "16 apples"}, r"`device_memory_budget='16 apples'` is not a size"),
+        ({"unit_types": []}, r"`unit_types` is empty"),
+    ],
+)
+def test_configuration_errors_name_the_argument(options, message):
+    from lightning_ckpt import ChunkedOffloadStrategy
+
+    with pytest.raises(ValueError, match=message):
+        ChunkedOffloadStrategy(**options)
+
+
+def test_prefetch_order_and_eviction_after_the_warm_up():
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 4) for _ in range(4)]
+    model = torch.nn.Sequential(*layers)
+    # One 128-byte chunk per layer; the warm-up traces 240 bytes of activations: two slots fit.
+    streamer = _Streamer([(str(i), m) for i, m in enumerate(layers)], list(model.parameters()), 128, 584, 2, torch.device("cpu"))
+    held: list[list[int | None]] = []
+    for layer in layers:  # registered after the streamer's hooks: sees the slots after each fetch
+        layer.register_forward_pre_hook(lambda module, args: held.append(list(streamer.holder)))
+    x = torch.randn(3, 4, requires_grad=True)
+    expected_grads = []
+    for step in range(2):
+        held.clear()
+        with torch.autograd.graph.saved_tensors_hooks(streamer.pack_saved, streamer.unpack_saved):
+            loss = model(x).pow(2).sum()
+        loss.backward()
+        streamer.end_backward()
+        expected_grads.append([p.grad.clone() for p in model.parameters()])
+        assert streamer.holder == [None] * len(streamer.slots)  # after backward: every slot free
+        for p in model.parameters():
+            p.grad = None
+    assert streamer.plan.slots == 2 and streamer.plan.activation_bytes == 240
+    # Layer 0 runs with layer 1 prefetched; layer 2 then takes layer 0's slot (used furthest
+    # ahead: last in backward); layer 3 takes layer 1's.
+    assert held == [[0, 1], [2, 1], [2, 3], [2, 3]]
+    assert streamer.peak_device_bytes <= 584
+    assert all(torch.equal(a, b) for a, b in zip(*expected_grads))  # same weights, same gradients
