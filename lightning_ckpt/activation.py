@@ -246,14 +246,17 @@ def _checkpointed_forward(installed: _Installed, *args: Any, **kwargs: Any) -> A
     return out
 
 
-def _installed(module: torch.nn.Module) -> Optional[_Installed]:
+def installed_checkpointing(module: torch.nn.Module) -> Optional[_Installed]:
+    """The checkpointing installed on ``module`` by this module (its record), or ``None``."""
     forward = module.__dict__.get("forward")
     if isinstance(forward, functools.partial) and forward.func is _checkpointed_forward:
         return forward.args[0]
     return None
 
 
-def _normalize_policy(policy: Any, argument: str = "policy") -> Callable[[torch.nn.Module], bool]:
+def module_matcher(policy: Any, argument: str = "policy") -> Callable[[torch.nn.Module], bool]:
+    """A predicate over modules from a user's policy (layer types, their import paths, or a
+    callable); a bad policy is a ``ValueError`` naming ``argument``."""
     if isinstance(policy, type):
         policy = {policy}
     if isinstance(policy, (set, frozenset, list, tuple)):
@@ -297,7 +300,7 @@ def _matches(root: torch.nn.Module, match: Callable[[torch.nn.Module], bool]) ->
     for path, module in root.named_modules(remove_duplicate=True):
         if module is root or any(path.startswith(prefix) for prefix in skip):
             continue
-        if _installed(module) is not None or match(module):
+        if installed_checkpointing(module) is not None or match(module):
             found.append((path, module))
             skip.append(path + ".")
     return found
@@ -323,7 +326,7 @@ def apply_activation_checkpointing(
     checkpointed are left as they are (and not counted in the returned list). Raises
     ``ValueError`` if ``policy`` matches nothing, naming the module types present.
     """
-    match = _normalize_policy(policy)
+    match = module_matcher(policy)
     _check_every_n(every_n_layers)
     options = _Options(preserve_rng_state=preserve_rng_state, selective=_selective_mode(selective), check_inplace=check_inplace)
     found = _matches(module, match)
@@ -335,7 +338,7 @@ def apply_activation_checkpointing(
         )
     done = []
     for index, (path, sub) in enumerate(found):
-        if (index + 1) % every_n_layers or _installed(sub) is not None:
+        if (index + 1) % every_n_layers or installed_checkpointing(sub) is not None:
             continue
         _install(sub, options, path)
         done.append(path)
@@ -404,7 +407,7 @@ class ActivationCheckpointing(Callback):
         preserve_rng_state: bool = True,
         check_inplace: bool = True,
     ) -> None:
-        self._match = _normalize_policy(policy)
+        self._match = module_matcher(policy)
         _check_every_n(every_n_layers)
         _selective_mode(selective)
         self.policy = policy
@@ -453,13 +456,13 @@ class ActivationCheckpointing(Callback):
             return
         mine = set(self.checkpointed)
         for path, module in pl_module.named_modules():
-            if path in mine and _installed(module) is not None:
+            if path in mine and installed_checkpointing(module) is not None:
                 _uninstall(module)
         self.checkpointed = []
 
 
 def _uninstall(module: torch.nn.Module) -> bool:
-    installed = _installed(module)
+    installed = installed_checkpointing(module)
     if installed is None:
         return False
     del module.__dict__["forward"]
@@ -470,7 +473,7 @@ def _uninstall(module: torch.nn.Module) -> bool:
 
 def checkpointed_paths(module: torch.nn.Module) -> list[str]:
     """Paths of the submodules of ``module`` whose forward is currently checkpointed."""
-    return [path for path, sub in module.named_modules() if _installed(sub) is not None]
+    return [path for path, sub in module.named_modules() if installed_checkpointing(sub) is not None]
 
 
 __all__ = [

@@ -42,7 +42,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
-from lightning_ckpt.activation import _installed, _normalize_policy
+from lightning_ckpt.activation import installed_checkpointing, module_matcher
 from lightning_ckpt.offload.adamw import ChunkedAdamW
 from lightning_ckpt.offload.chunks import plan_chunks
 from lightning_ckpt.offload.placement import OffloadBudgetError, OffloadPlan, Unit, plan_offload
@@ -495,7 +495,7 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
             raise ValueError(f"`prefetch={prefetch!r}` must be a non-negative int (units fetched ahead; 0: none).")
         self.prefetch = prefetch
         self._unit_match: Optional[Callable[[torch.nn.Module], bool]] = (
-            _normalize_policy(list(unit_types), "unit_types") if unit_types is not None else None
+            module_matcher(list(unit_types), "unit_types") if unit_types is not None else None
         )
         self._streamer: Optional[_Streamer] = None
         self._last_stats: dict[str, int] = {}
@@ -566,7 +566,7 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
         index = {id(m): u for u, (_, m) in enumerate(self._streamer.unit_modules)}
         groups = []
         for module in self.model.modules():
-            if _installed(module) is not None:
+            if installed_checkpointing(module) is not None:
                 inside = tuple(sorted({index[id(m)] for m in module.modules() if id(m) in index}))
                 if inside:
                     groups.append(inside)
