@@ -7,32 +7,25 @@ rank 0 only, so nothing here may run a collective; ``load_checkpoint`` runs on e
 
 import atexit
 import contextlib
-import functools
-from collections import OrderedDict, deque
-import json
 import os
 import secrets
-import sys
 import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
-from importlib import metadata as importlib_metadata
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, Optional, TypeVar
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
 
 import fsspec
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from typing_extensions import override
 
-from lightning_ckpt import manifest as fmt
-from lightning_ckpt.compile import load_hooks_on_compiled_submodules
-from lightning_ckpt import reader
-from lightning_ckpt import remote
+from lightning_ckpt import remote, savejob, staging, writer
 from lightning_ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -40,185 +33,33 @@ from lightning_ckpt.errors import (
     CorruptCheckpointError,
     skipped_damaged_message,
 )
-from lightning_ckpt.plan import OPTIMIZER_COMPONENT, Blob, Plan, make_plan, parse_size
-from lightning_ckpt import staging
+from lightning_ckpt.functional import (  # re-exported: ``lightning_ckpt.io.X`` keeps working
+    DEFAULT_MAX_SHARD_SIZE,
+    load_checkpoint,
+    load_from_checkpoint,
+    load_remote,
+    location,
+    remove_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from lightning_ckpt.plan import OPTIMIZER_COMPONENT, Blob, parse_size
+from lightning_ckpt.savejob import Destination, Prepared
 from lightning_ckpt.staging import StagingPool
-from lightning_ckpt import writer
 from lightning_ckpt.worker import WriterProcess
-from lightning_ckpt.writer import ShardWriter, WriteResult, write_checkpoint
+from lightning_ckpt.writer import ShardWriter, WriteResult
 
-DEFAULT_MAX_SHARD_SIZE = "2GB"
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "ShardedCheckpointIO",
+    "load_checkpoint",
+    "load_from_checkpoint",
+    "location",
+    "remove_checkpoint",
+    "save_checkpoint",
+    "verify_checkpoint",
+]
 _VERIFY_MODES = ("structure", "full")
-_T = TypeVar("_T")
-
-
-@functools.lru_cache(maxsize=1)  # constant for the process; the package metadata lookups are not free
-def _created_by() -> dict[str, str]:
-    from lightning_ckpt import __version__
-
-    versions = {"lightning_ckpt": __version__, "torch": torch.__version__, "python": sys.version.split()[0]}
-    for package in ("lightning", "pytorch-lightning"):
-        try:
-            versions[package] = importlib_metadata.version(package)
-        except importlib_metadata.PackageNotFoundError:
-            pass
-    return versions
-
-
-def _check_local(path: Any, argument: str) -> str:
-    path = os.fspath(path)
-    if remote.is_remote(path):
-        raise ValueError(
-            f"`{argument}={path!r}` is a remote URL, which this function does not take. Checkpoints on object"
-            " storage are saved, loaded and removed through ShardedCheckpointIO or the functions that take"
-            " `storage_options`."
-        )
-    return path.removeprefix("file://")
-
-
-def location(path: Any) -> str:
-    """A remote URL as it is; a local path made absolute (``file://`` dropped)."""
-    path = os.fspath(path)
-    return path if remote.is_remote(path) else os.path.abspath(path.removeprefix("file://"))
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    plan: Plan
-    metadata: bytes
-    global_step: int | None
-    epoch: int | None
-    part: writer.Part | None = None  # this rank's share of a multi-rank save
-
-
-def _prepare(checkpoint: dict[str, Any], max_shard_size: int) -> _Prepared:
-    plan = make_plan(checkpoint, max_shard_size)
-    return _prepared(checkpoint, plan, plan.tree)
-
-
-def _prepared(checkpoint: dict[str, Any], plan: Plan, tree: Any, part: writer.Part | None = None) -> _Prepared:
-    metadata = json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
-    step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
-    return _Prepared(plan, metadata, step if type(step) is int else None, epoch if type(epoch) is int else None, part)
-
-
-def _write(prepared: _Prepared, path: str, shard_writer: ShardWriter) -> WriteResult:
-    return write_checkpoint(
-        prepared.plan,
-        path,
-        shard_writer,
-        metadata=prepared.metadata,
-        created_by=_created_by(),
-        global_step=prepared.global_step,
-        epoch=prepared.epoch,
-        part=prepared.part,
-    )
-
-
-def _fingerprint(plan: Plan) -> tuple[Any, ...] | None:
-    """Identity and version of every tensor a plan writes: equal fingerprints mean equal bytes.
-
-    ``_version`` is bumped by every in-place change (optimizer steps included) and shared with
-    ``detach()``-ed views such as state-dict entries. ``None`` for plans with shared-storage spans
-    (their blob tensors are fresh views whose version does not follow the originals).
-    """
-    entries = []
-    for shard in plan.shards:
-        for blob in shard.blobs:
-            if blob.source is None or blob.name.endswith(".__span__"):
-                return None
-            source = blob.source
-            entries.append(
-                (shard.filename, blob.name, blob.dtype, blob.shape, source.device, source.data_ptr(), source._version)
-            )
-    return tuple(entries)
-
-
-def save_checkpoint(
-    checkpoint: dict[str, Any],
-    path: str | os.PathLike[str],
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    *,
-    storage_options: dict[str, Any] | None = None,
-    _writer: ShardWriter | None = None,
-) -> WriteResult:
-    """Save ``checkpoint`` as a sharded, checksummed checkpoint directory at ``path`` (atomically).
-
-    ``path`` may be an fsspec URL (``s3://bucket/run/x.ckpt``; ``storage_options`` go to its
-    filesystem): the checkpoint is committed in a temporary local folder, then published (see
-    ``remote.py``)."""
-    prepared = _prepare(checkpoint, parse_size(max_shard_size))
-    shard_writer = _writer or ShardWriter()
-    try:
-        if not remote.is_remote(path):
-            return _write(prepared, _check_local(path, "path"), shard_writer)
-        url, options = os.fspath(path), remote.RemoteOptions(storage_options or {})
-        local, spool = remote.spool_target()
-        with remote.spool_removed_on_failure(spool):
-            result = _write(prepared, local, shard_writer)
-        published = remote.publish_committed(local, url, options, spool)
-        return WriteResult(url, published.nbytes, result.seconds + published.seconds, result.files, result.direct_io)
-    finally:
-        if _writer is None:
-            shard_writer.close()
-
-
-def load_checkpoint(
-    path: str | os.PathLike[str],
-    map_location: reader.MapLocation = None,
-    weights_only: bool | None = None,
-    verify: bool = True,
-    storage_options: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Load a checkpoint directory (or a legacy single-file ``.ckpt``) into the dict Lightning saved.
-
-    Args:
-        path: a checkpoint directory written by lightning_ckpt, or a file written by ``torch.save``,
-            or the fsspec URL of a checkpoint published by lightning_ckpt (downloaded shard by
-            shard into a temporary folder, every object verified on the way).
-        map_location: where tensors go: ``None`` (CPU), a device, a ``{saved: new}`` dict, or a
-            ``torch.load``-style callable. CPU tensors are copy-on-write memory maps of the shards.
-        weights_only: ``None``/``True`` refuse values that would need arbitrary unpickling (with a
-            clear error naming the key); ``False`` allows them for trusted checkpoints.
-        verify: ``True`` (default) hashes every file before any tensor is returned and raises
-            ``CorruptCheckpointError`` naming a damaged one; the pass that hashes a shard also
-            brings it into the page cache for the copy that follows, so it costs the hashing only
-            (see docs/benchmarks.md). ``False`` opts out: presence, sizes and the metadata's digest
-            are still checked. Legacy single-file checkpoints carry no checksums.
-        storage_options: for a URL, passed to its fsspec filesystem (credentials, endpoint).
-    """
-    if remote.is_remote(path):
-        return _load_remote(os.fspath(path), remote.RemoteOptions(storage_options or {}), map_location, weights_only, verify)
-    path = _check_local(path, "path")
-    if os.path.isdir(path):
-        from lightning_ckpt import legacy_dcp
-
-        if legacy_dcp.is_dcp_checkpoint(path):  # written by Lightning's own sharded strategies
-            return legacy_dcp.load_dcp_checkpoint(path, map_location, weights_only)
-        return reader.load(path, map_location, weights_only, verify_checksums=bool(verify))
-    if not os.path.exists(path):
-        raise CheckpointNotFoundError(reader.not_found_message(path), path)
-    return reader.load_legacy(path, map_location, weights_only)
-
-
-def _load_remote(
-    url: str, options: remote.RemoteOptions, map_location: reader.MapLocation, weights_only: bool | None, verify: bool
-) -> dict[str, Any]:
-    local, done = remote.local_copy_for_load(url, options)
-    try:
-        return reader.load(local, map_location, weights_only, verify_checksums=bool(verify))
-    finally:
-        done()
-
-
-def verify_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> fmt.Manifest:
-    """Fully verify a checkpoint directory (manifest, sizes, every digest); raise naming the damaged file.
-
-    Reads with ``O_DIRECT`` where possible: checking a checkpoint leaves the page cache as it was.
-    A URL's objects are streamed and hashed, nothing stored locally."""
-    if remote.is_remote(path):
-        return remote.verify(os.fspath(path), remote.RemoteOptions(storage_options or {}))
-    return reader.verify(_check_local(path, "path"))
 
 
 class ShardedCheckpointIO(CheckpointIO):
@@ -409,7 +250,7 @@ class ShardedCheckpointIO(CheckpointIO):
                 " writer process is another, so the checkpoint would never reach this one. Use a synchronous"
                 " ShardedCheckpointIO, or a filesystem both processes reach."
             )
-        self._save(path, lambda: _prepare(checkpoint, self.max_shard_size))
+        self._save(path, lambda: savejob.prepare(checkpoint, self.max_shard_size))
 
     def save_sharded(
         self, checkpoint: dict[str, Any], path: Any, rank: int, world_size: int, broadcast: Callable[[str], str]
@@ -436,14 +277,14 @@ class ShardedCheckpointIO(CheckpointIO):
         if self._part_token is None:
             self._part_token = broadcast(secrets.token_hex(8))
         self._part_number += 1
-        folder = writer.part_folder(self._local_target(path)[0], self._part_token, self._part_number)
+        folder = writer.part_folder(savejob.commit_dir_of(path, self.remote), self._part_token, self._part_number)
 
-        def prepare() -> _Prepared:
+        def prepare() -> Prepared:
             planned = plan_part(checkpoint, rank, world_size, self.max_shard_size)
             part = writer.Part(
                 rank, world_size, folder, planned.pieces, planned.tensors, planned.layout, self.part_timeout
             )
-            return _prepared(checkpoint, planned.plan, planned.tree, part)
+            return savejob.prepared(checkpoint, planned.plan, planned.tree, part)
 
         self._save(path, prepare, can_skip=False)
 
@@ -453,16 +294,7 @@ class ShardedCheckpointIO(CheckpointIO):
         if self._part_token is None:
             self._part_token = token
 
-    def _local_target(self, path: str) -> tuple[str, str | None]:
-        """(the local directory a save of ``path`` is committed in, the temporary folder holding it
-        or ``None``): ``path`` itself when local; for a URL its local-tier copy, or a spool."""
-        if not remote.is_remote(path):
-            return path, None
-        if self.remote.local_dir is not None:
-            return self.remote.local_path(path), None
-        return remote.spool_target()
-
-    def _save(self, path: str, prepare: Callable[[], _Prepared], can_skip: bool = True) -> None:
+    def _save(self, path: str, prepare: Callable[[], Prepared], can_skip: bool = True) -> None:
         with self._lock:
             start, started = time.perf_counter(), time.time()
             self._raise_upload_errors()
@@ -472,7 +304,7 @@ class ShardedCheckpointIO(CheckpointIO):
             self._worker.ensure_started()  # detects a dead writer (its error is reported next)
             self._report(self._worker.take_errors())
             prepared = prepare()
-            fingerprint = _fingerprint(prepared.plan)
+            fingerprint = savejob.fingerprint(prepared.plan)
             if fingerprint is not None and self._staged is not None and self._staged[0] == fingerprint:
                 # A second save of the very same tensors (top-k file, then last.ckpt, in one
                 # step): the pool holds (or is receiving) these bytes, and nothing overwrites it
@@ -500,19 +332,13 @@ class ShardedCheckpointIO(CheckpointIO):
             self._stage_and_submit(prepared, path, fingerprint, started)
             self.last_stall_seconds = time.perf_counter() - start
 
-    def _save_now(self, path: str, prepared: _Prepared, start: float) -> None:
+    def _save_now(self, path: str, prepared: Prepared, start: float) -> None:
         """A synchronous save; of a URL: committed locally, then published (here, or in the
         background with a local tier). Multi-rank: rank 0 publishes once it committed the whole."""
-        local, spool = self._local_target(path)
-        with remote.spool_removed_on_failure(spool):
-            result = _write(prepared, local, self._writer)
-        publishes = local != path and (prepared.part is None or prepared.part.rank == 0)
-        if publishes and spool is not None:
-            published = remote.publish_committed(local, path, self.remote, spool)
-            result = WriteResult(path, published.nbytes, time.perf_counter() - start, result.files, result.direct_io)
-        elif publishes:
-            self._uploader.publish(lambda: remote.publish_committed(local, path, self.remote, None))
-            result = WriteResult(path, result.nbytes, result.seconds, result.files, result.direct_io)
+        job = prepared.job(Destination.resolve(path, self.remote))
+        result = job.run(self._writer, upload=self._uploader.publish)
+        if job.publishes and job.destination.spool is not None:  # durable once published: the whole call
+            result = WriteResult(path, result.nbytes, time.perf_counter() - start, result.files, result.direct_io)
         self.last_save = result
         self.last_stall_seconds = time.perf_counter() - start
 
@@ -524,27 +350,16 @@ class ShardedCheckpointIO(CheckpointIO):
                 raise error
         self._report(errors)  # type: ignore[arg-type]
 
-    def _payload(self, prepared: _Prepared) -> dict[str, Any]:
-        return {
-            "plan": prepared.plan.without_data(),
-            "metadata": prepared.metadata,
-            "created_by": _created_by(),
-            "global_step": prepared.global_step,
-            "epoch": prepared.epoch,
-            "part": prepared.part,
-        }
-
     def _submit(
-        self, prepared: _Prepared, path: str, images: dict[str, tuple[int, int]], started: float, chunked: bool = False
+        self, prepared: Prepared, path: str, images: dict[str, tuple[int, int]], started: float, chunked: bool = False
     ) -> int:
         pool = (self._pool.fd, self._pool.generation)
-        payload = {**self._payload(prepared), "images": images, **({"chunked": True} if chunked else {})}
-        if remote.is_remote(path):  # the writer commits it locally, then publishes it
-            payload["local"], payload["spool"] = self._local_target(path)
-        return self._worker.submit("save", path, payload, pool=pool, submitted=started)
+        job = prepared.job(Destination.resolve(path, self.remote), with_data=False)
+        message = {"job": job, "images": images, **({"chunked": True} if chunked else {})}
+        return self._worker.submit("save", path, message, pool=pool, submitted=started)
 
     def _stage_and_submit(
-        self, prepared: _Prepared, path: str, fingerprint: tuple[Any, ...] | None, started: float
+        self, prepared: Prepared, path: str, fingerprint: tuple[Any, ...] | None, started: float
     ) -> None:
         image_layout, headers = staging.layout(prepared.plan)
         cap = self._pool.max_bytes
@@ -659,7 +474,7 @@ class ShardedCheckpointIO(CheckpointIO):
 
     def _stage_in_chunks(
         self,
-        prepared: _Prepared,
+        prepared: Prepared,
         path: str,
         image_layout: staging.ImageLayout,
         headers: dict[str, Any],
@@ -725,7 +540,7 @@ class ShardedCheckpointIO(CheckpointIO):
         if remote.is_remote(path):
             self._uploader.wait()
             self.keep_loaded(path)
-            return _load_remote(os.fspath(path), self.remote, map_location, weights_only, self.verify_on_load == "full")
+            return load_remote(os.fspath(path), self.remote, map_location, weights_only, self.verify_on_load == "full")
         candidates = [os.fspath(path), *self._fallbacks.pop(location(path), [])]
         self.loaded_instead = None
         skipped: list[tuple[str, CheckpointError]] = []
@@ -791,13 +606,10 @@ class ShardedCheckpointIO(CheckpointIO):
                 if self._worker.busy:  # runs after that save, and only if it committed
                     self._worker.submit("remove", path, {"after": replacing})
                     return
-            if remote.is_remote(path):
-                if self.remote.local_dir is not None and not self.async_save:  # behind the uploads
-                    self._uploader.remove(path, lambda: remote.remove_everywhere(path, self.remote))
-                else:
-                    remote.remove_everywhere(path, self.remote)
+            if remote.is_remote(path) and self.remote.local_dir is not None and not self.async_save:
+                self._uploader.remove(path, lambda: savejob.remove(path, self.remote))  # behind the uploads
                 return
-        remove_checkpoint(path)
+        savejob.remove(path, self.remote)
 
     def wait(self) -> None:
         """Block until every save in flight is durable; raise (once) what failed in the background."""
@@ -983,55 +795,3 @@ def _finish_in_flight_saves() -> None:
                 warnings.warn(str(error), stacklevel=1)
         except Exception:  # exiting anyway; the next run cleans any temporary directory
             io._worker.kill()
-
-
-def remove_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> None:
-    """Remove a checkpoint directory (or legacy file, or remote checkpoint). Refuses directories that
-    are not checkpoints; an interrupted removal never leaves a half-deleted checkpoint under its real name."""
-    if remote.is_remote(path):
-        remote.remove(os.fspath(path), remote.RemoteOptions(storage_options or {}))
-        return
-    writer.remove_checkpoint(os.path.abspath(_check_local(path, "path")))
-
-
-_load_patch_lock = threading.Lock()
-
-
-def load_from_checkpoint(
-    cls: type[_T],
-    checkpoint_path: str | os.PathLike[str],
-    map_location: reader.MapLocation = None,
-    hparams_file: str | os.PathLike[str] | None = None,
-    strict: bool | None = None,
-    weights_only: bool | None = None,
-    **kwargs: Any,
-) -> _T:
-    """``cls.load_from_checkpoint`` that also reads checkpoint directories.
-
-    Lightning's own ``LightningModule.load_from_checkpoint`` bypasses CheckpointIO and fails on a
-    directory. This runs Lightning's implementation unchanged (hyper-parameters, migration,
-    ``strict``, ``**kwargs`` overrides) with the file read by :func:`load_checkpoint`. A submodule
-    compiled in ``__init__`` (``self.net = torch.compile(net)``) loads keys with or without
-    ``_orig_mod.``, as ``ShardedModelCheckpoint(compile_safe=True)`` does for the Trainer::
-
-        model = load_from_checkpoint(MyModel, "checkpoints/last.ckpt")
-    """
-    from lightning.pytorch.core import saving
-
-    def _load(path: Any, map_location: Any = None, weights_only: Any = None) -> Any:
-        return load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-
-    with _load_patch_lock, load_hooks_on_compiled_submodules():
-        original = saving.pl_load
-        saving.pl_load = _load
-        try:
-            return cls.load_from_checkpoint(  # type: ignore[attr-defined,no-any-return]
-                checkpoint_path,
-                map_location=map_location,
-                hparams_file=hparams_file,
-                strict=strict,
-                weights_only=weights_only,
-                **kwargs,
-            )
-        finally:
-            saving.pl_load = original
