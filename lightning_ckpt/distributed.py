@@ -11,7 +11,7 @@ exactly one of the ranks that hold it:
   assignment over the same pieces in the same order, so they agree without talking.
 
 No collective runs per save. Ranks signal completion through the filesystem and rank 0 commits
-(``writer.write_part``). Loading: ``reader`` assembles whole tensors from the pieces (one process,
+(``parts.write_part``). Loading: ``reader`` assembles whole tensors from the pieces (one process,
 any world size); ``load_sharded`` reshards into a live model and optimizers through DCP's
 ``DefaultLoadPlanner`` with ``ShardedStorageReader`` serving our files.
 """
@@ -100,7 +100,7 @@ def _holders(value: torch.Tensor, rank: int, world_size: int) -> tuple[int, ...]
 
 @dataclass(frozen=True)
 class PartPlan:
-    """This rank's share of a save, in the terms of ``writer.Part``."""
+    """This rank's share of a save, in the terms of ``parts.Part``."""
 
     plan: Plan  # this rank's shards (file names tagged with the rank)
     tree: Any  # the checkpoint dict's JSON tree: the same on every rank, written by rank 0

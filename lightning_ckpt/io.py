@@ -12,14 +12,15 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, Optional
+from contextlib import AbstractContextManager
+from typing import Any, Literal, Optional, Protocol, runtime_checkable
 
 import fsspec
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_ckpt import remote, savejob, writer
+from lightning_ckpt import parts, remote, savejob
 from lightning_ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -45,6 +46,7 @@ from lightning_ckpt.worker import WriterProcess
 from lightning_ckpt.writer import ShardWriter, WriteResult
 
 __all__ = [
+    "CheckpointIOFeatures",
     "DEFAULT_MAX_SHARD_SIZE",
     "ShardedCheckpointIO",
     "load_checkpoint",
@@ -55,6 +57,32 @@ __all__ = [
     "verify_checkpoint",
 ]
 _VERIFY_MODES = ("structure", "full")
+
+
+@runtime_checkable
+class CheckpointIOFeatures(Protocol):
+    """What ``ShardedModelCheckpoint`` uses of a plugin beyond Lightning's ``CheckpointIO``
+    contract. ``ShardedCheckpointIO`` has all of it; Lightning's own plugins none (the callback
+    then measures and saves as ``ModelCheckpoint`` does). Called on the training thread; which
+    ranks call what: see each method of ``ShardedCheckpointIO``."""
+
+    async_save: bool
+    when_busy: str
+    loaded_instead: tuple[str, str] | None
+    skipped_saves: int
+    last_save: WriteResult | None
+
+    def overlapping(self) -> AbstractContextManager[None]: ...
+
+    def prepare_staging(self, nbytes: int, on_device: bool) -> None: ...
+
+    def copy_wait_seconds(self, path: Any) -> float | None: ...
+
+    def poll(self) -> list[WriteResult]: ...
+
+    def wait(self) -> None: ...
+
+    def fall_back_on_damage(self, path: Any, fallbacks: list[str]) -> None: ...
 
 
 class ShardedCheckpointIO(CheckpointIO):
@@ -135,7 +163,7 @@ class ShardedCheckpointIO(CheckpointIO):
         staging_pool_size: int | str | None = None,
         on_error: Literal["raise", "warn"] = "raise",
         max_write_rate: int | str | None = None,
-        part_timeout: float = writer.DEFAULT_PART_TIMEOUT,
+        part_timeout: float = parts.DEFAULT_PART_TIMEOUT,
         spread_writes: Optional[bool] = None,
         overlap_copies: bool = True,
         storage_options: Optional[dict[str, Any]] = None,
@@ -308,11 +336,11 @@ class ShardedCheckpointIO(CheckpointIO):
         if self._part_token is None:
             self._part_token = broadcast(secrets.token_hex(8))
         self._part_number += 1
-        folder = writer.part_folder(savejob.commit_dir_of(path, self.remote), self._part_token, self._part_number)
+        folder = parts.part_folder(savejob.commit_dir_of(path, self.remote), self._part_token, self._part_number)
 
         def prepare() -> Prepared:
             planned = plan_part(checkpoint, rank, world_size, self.max_shard_size)
-            part = writer.Part(
+            part = parts.Part(
                 rank, world_size, folder, planned.pieces, planned.tensors, planned.layout, self.part_timeout
             )
             return savejob.prepared(checkpoint, planned.plan, planned.tree, part)

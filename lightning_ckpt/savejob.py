@@ -11,7 +11,7 @@ The functional API and the synchronous plugin run it in the caller's process; th
 pickles it to the writer process, which runs it there. ``SaveJob.run`` is the one place that
 writes, commits, then publishes.
 
-Imports ``plan``, ``writer`` and ``remote``; never Lightning, ``io`` or the savers.
+Imports ``plan``, ``parts``, ``writer`` and ``remote``; never Lightning, ``io`` or the savers.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lightning_ckpt import remote, writer
+from lightning_ckpt import parts, remote, writer
 from lightning_ckpt.plan import Plan, make_plan
 from lightning_ckpt.writer import ImageSource, ShardWriter, WriteResult, write_checkpoint
 
@@ -123,7 +123,7 @@ class Prepared:
     metadata: bytes
     global_step: int | None
     epoch: int | None
-    part: writer.Part | None = None
+    part: parts.Part | None = None
 
     def job(self, destination: Destination, with_data: bool = True) -> SaveJob:
         """This save to ``destination``; ``with_data=False`` drops the tensors (for the writer
@@ -137,7 +137,7 @@ def prepare(checkpoint: dict[str, Any], max_shard_size: int) -> Prepared:
     return prepared(checkpoint, plan, plan.tree)
 
 
-def prepared(checkpoint: dict[str, Any], plan: Plan, tree: Any, part: writer.Part | None = None) -> Prepared:
+def prepared(checkpoint: dict[str, Any], plan: Plan, tree: Any, part: parts.Part | None = None) -> Prepared:
     """A ``Prepared`` of ``checkpoint`` planned as ``plan`` with metadata ``tree``."""
     metadata = json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
     step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
@@ -153,7 +153,7 @@ class SaveJob:
     global_step: int | None
     epoch: int | None
     destination: Destination
-    part: writer.Part | None
+    part: parts.Part | None
     created_by: dict[str, str]
 
     @property
@@ -175,17 +175,16 @@ class SaveJob:
         published bytes when published here."""
         destination = self.destination
         with remote.spool_removed_on_failure(destination.spool):
-            result = write_checkpoint(
-                self.plan,
-                destination.commit_dir,
-                shard_writer,
-                metadata=self.metadata,
-                created_by=self.created_by,
-                global_step=self.global_step,
-                epoch=self.epoch,
-                images=images,
-                part=self.part,
-            )
+            if self.part is None:
+                result = write_checkpoint(
+                    self.plan, destination.commit_dir, shard_writer, metadata=self.metadata,
+                    created_by=self.created_by, global_step=self.global_step, epoch=self.epoch, images=images,
+                )
+            else:  # this rank's part; rank 0 then commits the whole
+                result = parts.write_part(
+                    self.plan, destination.commit_dir, shard_writer, self.part, metadata=self.metadata,
+                    created_by=self.created_by, global_step=self.global_step, epoch=self.epoch, images=images,
+                )
         if not self.publishes:
             return result
         if upload is not None and destination.tiered:

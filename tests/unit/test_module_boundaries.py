@@ -18,9 +18,9 @@ MAX_LINES = 600
 # Modules still over MAX_LINES, and the most lines each may have until it is split. Lower a cap
 # when a module shrinks; remove its entry once it fits.
 OVERSIZE = {
-    "callback.py": 860,
+    "callback.py": 850,
     "remote.py": 1130,
-    "writer.py": 1010,
+    "writer.py": 800,
     "offload/adamw.py": 660,
     "reader.py": 610,
 }
