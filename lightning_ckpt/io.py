@@ -1,4 +1,7 @@
-"""The CheckpointIO plugin: Lightning's contract -> plan -> write; reads through ``reader``.
+"""The CheckpointIO plugin: Lightning's contract and option validation over the save pipeline.
+
+Saves are planned by ``savejob`` and run by the savers (``saver.SyncSaver``, ``saver.AsyncSaver``);
+loads go through ``functional``/``reader``; see docs/architecture.md.
 
 Call order and ranks (Lightning 2.x): ``save_checkpoint`` and ``remove_checkpoint`` run on global
 rank 0 only, so nothing here may run a collective; ``load_checkpoint`` runs on every rank;

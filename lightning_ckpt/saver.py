@@ -186,10 +186,11 @@ class AsyncSaver:
             self.stage_and_submit(prepared, path, fingerprint, started)
             return time.perf_counter() - start
 
-
     def submit(
         self, prepared: Prepared, path: str, images: dict[str, tuple[int, int]], started: float, chunked: bool = False
     ) -> int:
+        """Send the job (without tensor data) and the staged images' offsets to the writer process;
+        the destination is resolved here, so a skipped or failed staging leaves no spool behind."""
         pool = (self.pool.fd, self.pool.generation)
         job = prepared.job(Destination.resolve(path, self.options), with_data=False)
         message = {"job": job, "images": images, **({"chunked": True} if chunked else {})}
