@@ -22,6 +22,7 @@ OVERSIZE = {
     "remote.py": 1130,
     "writer.py": 800,
     "offload/adamw.py": 660,
+    "offload/strategy.py": 615,  # ChunkedOffloadStrategy: 611 lines as it was added
     "reader.py": 610,
 }
 
