@@ -40,11 +40,11 @@ _LAZY = {
     "ShardedFSDPStrategy": "lightning_ckpt.strategies",
     "ShardedModelParallelStrategy": "lightning_ckpt.strategies",
     "ShardedStorageReader": "lightning_ckpt.distributed",
-    "load_checkpoint": "lightning_ckpt.io",
-    "load_from_checkpoint": "lightning_ckpt.io",
-    "remove_checkpoint": "lightning_ckpt.io",
-    "save_checkpoint": "lightning_ckpt.io",
-    "verify_checkpoint": "lightning_ckpt.io",
+    "load_checkpoint": "lightning_ckpt.functional",
+    "load_from_checkpoint": "lightning_ckpt.functional",
+    "remove_checkpoint": "lightning_ckpt.functional",
+    "save_checkpoint": "lightning_ckpt.functional",
+    "verify_checkpoint": "lightning_ckpt.functional",
 }
 
 if TYPE_CHECKING:
@@ -65,14 +65,14 @@ if TYPE_CHECKING:
         ShardedFabricModelParallelStrategy,
     )
     from lightning_ckpt.strategies import ShardedFSDPStrategy, ShardedModelParallelStrategy
-    from lightning_ckpt.io import (
-        ShardedCheckpointIO,
+    from lightning_ckpt.functional import (
         load_checkpoint,
         load_from_checkpoint,
         remove_checkpoint,
         save_checkpoint,
         verify_checkpoint,
     )
+    from lightning_ckpt.io import ShardedCheckpointIO
 
 
 def __getattr__(name: str) -> Any:

@@ -33,13 +33,12 @@ import contextlib
 import math
 import os
 import secrets
-import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, TypeGuard, Union
 from weakref import proxy
 
 import lightning.pytorch as pl
@@ -56,7 +55,7 @@ from lightning_ckpt import manifest as fmt
 from lightning_ckpt import reader
 from lightning_ckpt.compile import install_load_hook, strip_compiled_prefixes
 from lightning_ckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, skipped_damaged_message
-from lightning_ckpt.io import location
+from lightning_ckpt.io import CheckpointIOFeatures, location
 from lightning_ckpt.memory import (
     DEFAULT_RELEASE_THRESHOLD_MB,
     EmptyCudaCache,
@@ -71,7 +70,7 @@ from lightning_ckpt.monitor import SaveMonitor, SaveRecord, print_summary, save_
 from lightning_ckpt.remote import RemoteOptions, is_remote, url_key
 from lightning_ckpt.remote import listing as remote_listing
 from lightning_ckpt.strategies import enable_sharded_resume, save_sharded, sharded_io
-from lightning_ckpt.writer import TempDir, commit
+from lightning_ckpt.writer import link_checkpoint
 
 # Checkpoint paths known to exist, per folder (see the module docstring); shared by instances
 # saving into the same folder, and reset from the filesystem at every ``setup``.
@@ -353,18 +352,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         # The new link is made under a temporary name and swapped in atomically, so there is
         # always a complete last.ckpt (the old one until the swap).
         if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
-            linkpath = os.path.abspath(linkpath)
-            temporary = TempDir(linkpath, make_dir=False)  # locked: stale cleanup leaves it alone
-            try:
-                try:
-                    os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), temporary.path)
-                except OSError:  # no symlinks (Windows without privileges): copy
-                    (shutil.copytree if os.path.isdir(filepath) else shutil.copy)(filepath, temporary.path)
-                commit(temporary.path, linkpath)
-            except BaseException:
-                temporary.release(remove=True)
-                raise
-            temporary.release(remove=False)
+            link_checkpoint(filepath, os.path.abspath(linkpath))
 
     # ------------------------------------------------------------------ save steps and skips
 
@@ -488,7 +476,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         if skipped:
             rank_zero_warn(skipped_damaged_message(skipped, path))
         io = trainer.strategy.checkpoint_io
-        if hasattr(io, "fall_back_on_damage"):
+        if isinstance(io, CheckpointIOFeatures):
             io.fall_back_on_damage(path, [p for p in candidates[index + 1 :] if p in ours])
         return {path}
 
@@ -496,7 +484,8 @@ class ShardedModelCheckpoint(ModelCheckpoint):
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         # The plugin loaded an older checkpoint than the one resolved (it failed verification):
         # the run resumed from that one, which must never be removed as outdated by this run.
-        instead = getattr(trainer.strategy.checkpoint_io, "loaded_instead", None)
+        io = _features(trainer.strategy.checkpoint_io)
+        instead = None if io is None else io.loaded_instead
         if instead is not None and trainer.ckpt_path is not None and os.fspath(trainer.ckpt_path) == instead[0]:
             # Not the public setter: it would also mark the path as user-set for the next ``fit``.
             trainer._checkpoint_connector._ckpt_path = instead[1]
@@ -517,17 +506,16 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             self._pending = None
             if self._skipped_at is not None:
                 return
-            io = trainer.strategy.checkpoint_io
-            skipped_before = getattr(io, "skipped_saves", 0)
+            io = _features(trainer.strategy.checkpoint_io)
+            skipped_before = 0 if io is None else io.skipped_saves
             self._releaser.before_save()  # no heap trim runs during a save
             before = memory_stats()
             start = time.perf_counter()
-            overlap = self._overlap and getattr(io, "overlapping", None)
-            with overlap() if overlap else contextlib.nullcontext():
+            with io.overlapping() if io is not None and self._overlap else contextlib.nullcontext():
                 _write(trainer, filepath, self.save_weights_only)
             stall = time.perf_counter() - start
             after = memory_stats()  # with ``before``: what the save call left behind
-            if trainer.is_global_zero and getattr(io, "skipped_saves", 0) != skipped_before:
+            if trainer.is_global_zero and io is not None and io.skipped_saves != skipped_before:
                 self._skipped_at = len(self._attempts) - 1  # undone on every rank at the step's end
                 return
             self._last_global_step_saved = trainer.global_step
@@ -555,7 +543,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         after = release.after
         io = trainer.strategy.checkpoint_io
         nbytes, durable = _written(io, filepath, stall)
-        waits_copies = bool(getattr(io, "async_save", False)) and hasattr(io, "copy_wait_seconds")
+        waits_copies = _async(io)
         previous = self._memory_after_save
         record = SaveRecord(
             index=len(self._monitor.records),
@@ -630,7 +618,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         if not trainer.is_global_zero:
             return
         io = trainer.strategy.checkpoint_io
-        if self._awaiting_durable and hasattr(io, "wait"):
+        if self._awaiting_durable and isinstance(io, CheckpointIOFeatures):
             io.wait()  # final durability figures
         self._releaser.wait()  # the last trim's figures (a trim takes milliseconds)
         for record in self._monitor.finish() + self._newly_durable(trainer) + self._copy_waits_known(trainer) + self._trims_done():
@@ -649,7 +637,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
 
     def _newly_durable(self, trainer: pl.Trainer) -> list[SaveRecord]:
         io = trainer.strategy.checkpoint_io
-        if not self._awaiting_durable or not hasattr(io, "poll"):
+        if not self._awaiting_durable or not isinstance(io, CheckpointIOFeatures):
             return []
         done = []
         for result in io.poll():  # in completion order, which is submission order
@@ -721,7 +709,7 @@ def _prepare_staging(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None
     before the first save, sized for this rank's state. Skipped for spread DDP writes (each rank
     stages a part only the plan knows)."""
     io = trainer.strategy.checkpoint_io
-    if not getattr(io, "async_save", False) or not hasattr(io, "prepare_staging"):
+    if not _async(io):
         return
     if trainer.world_size > 1 and not isinstance(trainer.strategy, (ModelParallelStrategy, FSDPStrategy)):
         return
@@ -737,7 +725,17 @@ def _prepare_staging(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None
 
 def _can_skip(io: Any) -> bool:
     """Can this IO skip a save (so rank 0 must tell the other ranks)? Configured alike on every rank."""
-    return bool(getattr(io, "async_save", False)) and getattr(io, "when_busy", None) == "skip"
+    return _async(io) and io.when_busy == "skip"
+
+
+def _features(io: Any) -> CheckpointIOFeatures | None:
+    """``io`` when it is ``ShardedCheckpointIO`` (or has all it offers), else ``None`` (Lightning's own)."""
+    return io if isinstance(io, CheckpointIOFeatures) else None
+
+
+def _async(io: Any) -> TypeGuard[CheckpointIOFeatures]:
+    """Does ``io`` save asynchronously (through the features the callback uses)?"""
+    return isinstance(io, CheckpointIOFeatures) and bool(io.async_save)
 
 
 def _steps_until_check(remaining: float, step_time: float, world_size: int) -> int:
@@ -832,9 +830,9 @@ def _same_folder(a: _PATH, b: _PATH | None) -> bool:
 
 def _written(io: Any, filepath: str, stall: float) -> tuple[int | None, float | None]:
     """(bytes, seconds until durable) of a save that just returned, where the IO can tell."""
-    if getattr(io, "async_save", False):
+    if _async(io):
         return None, None  # known once the writer process reports it (see ``poll``)
-    last = getattr(io, "last_save", None)
+    last = io.last_save if isinstance(io, CheckpointIOFeatures) else None
     if last is not None and os.path.abspath(last.path) == os.path.abspath(filepath):
         return last.nbytes, last.seconds  # ShardedCheckpointIO, synchronous
     if os.path.isfile(filepath):  # Lightning's TorchCheckpointIO: written when save returned

@@ -47,7 +47,7 @@ from rich.table import Table
 
 from lightning_ckpt import legacy_dcp, remote
 from lightning_ckpt.errors import CheckpointError, CheckpointNotFoundError, MissingDependencyError
-from lightning_ckpt.io import DEFAULT_MAX_SHARD_SIZE, load_checkpoint, save_checkpoint, verify_checkpoint
+from lightning_ckpt.functional import DEFAULT_MAX_SHARD_SIZE, load_checkpoint, save_checkpoint, verify_checkpoint
 from lightning_ckpt.manifest import Manifest
 from lightning_ckpt.plan import dtype_name, encode_checkpoint
 from lightning_ckpt.reader import not_found_message, read_manifest

@@ -11,7 +11,7 @@ exactly one of the ranks that hold it:
   assignment over the same pieces in the same order, so they agree without talking.
 
 No collective runs per save. Ranks signal completion through the filesystem and rank 0 commits
-(``writer.write_part``). Loading: ``reader`` assembles whole tensors from the pieces (one process,
+(``parts.write_part``). Loading: ``reader`` assembles whole tensors from the pieces (one process,
 any world size); ``load_sharded`` reshards into a live model and optimizers through DCP's
 ``DefaultLoadPlanner`` with ``ShardedStorageReader`` serving our files.
 """
@@ -45,18 +45,18 @@ from lightning_ckpt import reader
 from lightning_ckpt.plan import (
     Found,
     Plan,
-    _dtype_from_name,
-    _is_stored_tensor,
-    _tensor_name,
+    dtype_from_name,
     dtype_name,
     encode_checkpoint,
+    is_stored_tensor,
     plan_tensors,
+    tensor_name,
 )
 
 
 def _stored(value: torch.Tensor) -> bool:
     """Tensors stored as bytes: plain ones, and the local pieces of DTensors and ShardedTensors."""
-    return isinstance(value, DTensor) or _is_sharded_tensor(value) or _is_stored_tensor(value)
+    return isinstance(value, DTensor) or _is_sharded_tensor(value) or is_stored_tensor(value)
 
 
 def _is_sharded_tensor(value: Any) -> bool:
@@ -100,7 +100,7 @@ def _holders(value: torch.Tensor, rank: int, world_size: int) -> tuple[int, ...]
 
 @dataclass(frozen=True)
 class PartPlan:
-    """This rank's share of a save, in the terms of ``writer.Part``."""
+    """This rank's share of a save, in the terms of ``parts.Part``."""
 
     plan: Plan  # this rank's shards (file names tagged with the rank)
     tree: Any  # the checkpoint dict's JSON tree: the same on every rank, written by rank 0
@@ -138,7 +138,7 @@ def plan_part(checkpoint: dict[Any, Any], rank: int, world_size: int, max_shard_
             continue
         offsets = list(chunk.offsets)
         whole = list(chunk.sizes) == list(value.shape)
-        name = _tensor_name(component, path) + ("" if whole else "@" + ",".join(map(str, offsets)))
+        name = tensor_name(component, path) + ("" if whole else "@" + ",".join(map(str, offsets)))
         shared = len(holders) > 1
         owned[shared].append((planner.resolve_data(item), component, (path[0], name)))
         pieces[shared].append({"id": index, "component": component, "offsets": offsets, "shape": list(chunk.sizes)})
@@ -241,7 +241,7 @@ class ShardedStorageReader(StorageReader):
                 chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(piece["shape"])))
                 storage[MetadataIndex(fqn, offsets)] = (index, piece if record.chunks is not None else None)
             state[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=_dtype_from_name(record.dtype)),
+                properties=TensorProperties(dtype=dtype_from_name(record.dtype)),
                 size=torch.Size(record.shape),
                 chunks=chunks,
             )

@@ -1,224 +1,91 @@
-"""The CheckpointIO plugin: Lightning's contract -> plan -> write; reads through ``reader``.
+"""The CheckpointIO plugin: Lightning's contract and option validation over the save pipeline.
+
+Saves are planned by ``savejob`` and run by the savers (``saver.SyncSaver``, ``saver.AsyncSaver``);
+loads go through ``functional``/``reader``; see docs/architecture.md.
 
 Call order and ranks (Lightning 2.x): ``save_checkpoint`` and ``remove_checkpoint`` run on global
 rank 0 only, so nothing here may run a collective; ``load_checkpoint`` runs on every rank;
 ``teardown`` runs on every rank at the end of ``fit``/``validate``/``test``/``predict``.
 """
 
-import atexit
 import contextlib
-import functools
-from collections import OrderedDict, deque
-import json
 import os
 import secrets
-import sys
 import threading
 import time
 import warnings
-import weakref
-from dataclasses import dataclass
-from importlib import metadata as importlib_metadata
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, Optional, TypeVar
+from contextlib import AbstractContextManager
+from typing import Any, Literal, Optional, Protocol, runtime_checkable
 
 import fsspec
-import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_ckpt import manifest as fmt
-from lightning_ckpt.compile import load_hooks_on_compiled_submodules
-from lightning_ckpt import reader
-from lightning_ckpt import remote
+from lightning_ckpt import parts, remote, savejob
 from lightning_ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
-    CheckpointWriteError,
     CorruptCheckpointError,
     skipped_damaged_message,
 )
-from lightning_ckpt.plan import OPTIMIZER_COMPONENT, Blob, Plan, make_plan, parse_size
-from lightning_ckpt import staging
+from lightning_ckpt.functional import (  # re-exported: ``lightning_ckpt.io.X`` keeps working
+    DEFAULT_MAX_SHARD_SIZE,
+    load_checkpoint,
+    load_from_checkpoint,
+    load_remote,
+    location,
+    remove_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from lightning_ckpt.plan import parse_size
+from lightning_ckpt.saver import AsyncSaver, Outcomes, SyncSaver
+from lightning_ckpt.saver import Pending as _Pending  # tests stand in for a pending save with one
+from lightning_ckpt.savejob import Prepared
 from lightning_ckpt.staging import StagingPool
-from lightning_ckpt import writer
 from lightning_ckpt.worker import WriterProcess
-from lightning_ckpt.writer import ShardWriter, WriteResult, write_checkpoint
+from lightning_ckpt.writer import ShardWriter, WriteResult
 
-DEFAULT_MAX_SHARD_SIZE = "2GB"
+__all__ = [
+    "CheckpointIOFeatures",
+    "DEFAULT_MAX_SHARD_SIZE",
+    "ShardedCheckpointIO",
+    "load_checkpoint",
+    "load_from_checkpoint",
+    "location",
+    "remove_checkpoint",
+    "save_checkpoint",
+    "verify_checkpoint",
+]
 _VERIFY_MODES = ("structure", "full")
-_T = TypeVar("_T")
 
 
-@functools.lru_cache(maxsize=1)  # constant for the process; the package metadata lookups are not free
-def _created_by() -> dict[str, str]:
-    from lightning_ckpt import __version__
+@runtime_checkable
+class CheckpointIOFeatures(Protocol):
+    """What ``ShardedModelCheckpoint`` uses of a plugin beyond Lightning's ``CheckpointIO``
+    contract. ``ShardedCheckpointIO`` has all of it; Lightning's own plugins none (the callback
+    then measures and saves as ``ModelCheckpoint`` does). Called on the training thread; which
+    ranks call what: see each method of ``ShardedCheckpointIO``."""
 
-    versions = {"lightning_ckpt": __version__, "torch": torch.__version__, "python": sys.version.split()[0]}
-    for package in ("lightning", "pytorch-lightning"):
-        try:
-            versions[package] = importlib_metadata.version(package)
-        except importlib_metadata.PackageNotFoundError:
-            pass
-    return versions
+    async_save: bool
+    when_busy: str
+    loaded_instead: tuple[str, str] | None
+    skipped_saves: int
+    last_save: WriteResult | None
 
+    def overlapping(self) -> AbstractContextManager[None]: ...
 
-def _check_local(path: Any, argument: str) -> str:
-    path = os.fspath(path)
-    if remote.is_remote(path):
-        raise ValueError(
-            f"`{argument}={path!r}` is a remote URL, which this function does not take. Checkpoints on object"
-            " storage are saved, loaded and removed through ShardedCheckpointIO or the functions that take"
-            " `storage_options`."
-        )
-    return path.removeprefix("file://")
+    def prepare_staging(self, nbytes: int, on_device: bool) -> None: ...
 
+    def copy_wait_seconds(self, path: Any) -> float | None: ...
 
-def location(path: Any) -> str:
-    """A remote URL as it is; a local path made absolute (``file://`` dropped)."""
-    path = os.fspath(path)
-    return path if remote.is_remote(path) else os.path.abspath(path.removeprefix("file://"))
+    def poll(self) -> list[WriteResult]: ...
 
+    def wait(self) -> None: ...
 
-@dataclass(frozen=True)
-class _Prepared:
-    plan: Plan
-    metadata: bytes
-    global_step: int | None
-    epoch: int | None
-    part: writer.Part | None = None  # this rank's share of a multi-rank save
-
-
-def _prepare(checkpoint: dict[str, Any], max_shard_size: int) -> _Prepared:
-    plan = make_plan(checkpoint, max_shard_size)
-    return _prepared(checkpoint, plan, plan.tree)
-
-
-def _prepared(checkpoint: dict[str, Any], plan: Plan, tree: Any, part: writer.Part | None = None) -> _Prepared:
-    metadata = json.dumps(tree, separators=(",", ":"), allow_nan=False).encode()
-    step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
-    return _Prepared(plan, metadata, step if type(step) is int else None, epoch if type(epoch) is int else None, part)
-
-
-def _write(prepared: _Prepared, path: str, shard_writer: ShardWriter) -> WriteResult:
-    return write_checkpoint(
-        prepared.plan,
-        path,
-        shard_writer,
-        metadata=prepared.metadata,
-        created_by=_created_by(),
-        global_step=prepared.global_step,
-        epoch=prepared.epoch,
-        part=prepared.part,
-    )
-
-
-def _fingerprint(plan: Plan) -> tuple[Any, ...] | None:
-    """Identity and version of every tensor a plan writes: equal fingerprints mean equal bytes.
-
-    ``_version`` is bumped by every in-place change (optimizer steps included) and shared with
-    ``detach()``-ed views such as state-dict entries. ``None`` for plans with shared-storage spans
-    (their blob tensors are fresh views whose version does not follow the originals).
-    """
-    entries = []
-    for shard in plan.shards:
-        for blob in shard.blobs:
-            if blob.source is None or blob.name.endswith(".__span__"):
-                return None
-            source = blob.source
-            entries.append(
-                (shard.filename, blob.name, blob.dtype, blob.shape, source.device, source.data_ptr(), source._version)
-            )
-    return tuple(entries)
-
-
-def save_checkpoint(
-    checkpoint: dict[str, Any],
-    path: str | os.PathLike[str],
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    *,
-    storage_options: dict[str, Any] | None = None,
-    _writer: ShardWriter | None = None,
-) -> WriteResult:
-    """Save ``checkpoint`` as a sharded, checksummed checkpoint directory at ``path`` (atomically).
-
-    ``path`` may be an fsspec URL (``s3://bucket/run/x.ckpt``; ``storage_options`` go to its
-    filesystem): the checkpoint is committed in a temporary local folder, then published (see
-    ``remote.py``)."""
-    prepared = _prepare(checkpoint, parse_size(max_shard_size))
-    shard_writer = _writer or ShardWriter()
-    try:
-        if not remote.is_remote(path):
-            return _write(prepared, _check_local(path, "path"), shard_writer)
-        url, options = os.fspath(path), remote.RemoteOptions(storage_options or {})
-        local, spool = remote.spool_target()
-        with remote.spool_removed_on_failure(spool):
-            result = _write(prepared, local, shard_writer)
-        published = remote.publish_committed(local, url, options, spool)
-        return WriteResult(url, published.nbytes, result.seconds + published.seconds, result.files, result.direct_io)
-    finally:
-        if _writer is None:
-            shard_writer.close()
-
-
-def load_checkpoint(
-    path: str | os.PathLike[str],
-    map_location: reader.MapLocation = None,
-    weights_only: bool | None = None,
-    verify: bool = True,
-    storage_options: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Load a checkpoint directory (or a legacy single-file ``.ckpt``) into the dict Lightning saved.
-
-    Args:
-        path: a checkpoint directory written by lightning_ckpt, or a file written by ``torch.save``,
-            or the fsspec URL of a checkpoint published by lightning_ckpt (downloaded shard by
-            shard into a temporary folder, every object verified on the way).
-        map_location: where tensors go: ``None`` (CPU), a device, a ``{saved: new}`` dict, or a
-            ``torch.load``-style callable. CPU tensors are copy-on-write memory maps of the shards.
-        weights_only: ``None``/``True`` refuse values that would need arbitrary unpickling (with a
-            clear error naming the key); ``False`` allows them for trusted checkpoints.
-        verify: ``True`` (default) hashes every file before any tensor is returned and raises
-            ``CorruptCheckpointError`` naming a damaged one; the pass that hashes a shard also
-            brings it into the page cache for the copy that follows, so it costs the hashing only
-            (see docs/benchmarks.md). ``False`` opts out: presence, sizes and the metadata's digest
-            are still checked. Legacy single-file checkpoints carry no checksums.
-        storage_options: for a URL, passed to its fsspec filesystem (credentials, endpoint).
-    """
-    if remote.is_remote(path):
-        return _load_remote(os.fspath(path), remote.RemoteOptions(storage_options or {}), map_location, weights_only, verify)
-    path = _check_local(path, "path")
-    if os.path.isdir(path):
-        from lightning_ckpt import legacy_dcp
-
-        if legacy_dcp.is_dcp_checkpoint(path):  # written by Lightning's own sharded strategies
-            return legacy_dcp.load_dcp_checkpoint(path, map_location, weights_only)
-        return reader.load(path, map_location, weights_only, verify_checksums=bool(verify))
-    if not os.path.exists(path):
-        raise CheckpointNotFoundError(reader.not_found_message(path), path)
-    return reader.load_legacy(path, map_location, weights_only)
-
-
-def _load_remote(
-    url: str, options: remote.RemoteOptions, map_location: reader.MapLocation, weights_only: bool | None, verify: bool
-) -> dict[str, Any]:
-    local, done = remote.local_copy_for_load(url, options)
-    try:
-        return reader.load(local, map_location, weights_only, verify_checksums=bool(verify))
-    finally:
-        done()
-
-
-def verify_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> fmt.Manifest:
-    """Fully verify a checkpoint directory (manifest, sizes, every digest); raise naming the damaged file.
-
-    Reads with ``O_DIRECT`` where possible: checking a checkpoint leaves the page cache as it was.
-    A URL's objects are streamed and hashed, nothing stored locally."""
-    if remote.is_remote(path):
-        return remote.verify(os.fspath(path), remote.RemoteOptions(storage_options or {}))
-    return reader.verify(_check_local(path, "path"))
+    def fall_back_on_damage(self, path: Any, fallbacks: list[str]) -> None: ...
 
 
 class ShardedCheckpointIO(CheckpointIO):
@@ -299,7 +166,7 @@ class ShardedCheckpointIO(CheckpointIO):
         staging_pool_size: int | str | None = None,
         on_error: Literal["raise", "warn"] = "raise",
         max_write_rate: int | str | None = None,
-        part_timeout: float = writer.DEFAULT_PART_TIMEOUT,
+        part_timeout: float = parts.DEFAULT_PART_TIMEOUT,
         spread_writes: Optional[bool] = None,
         overlap_copies: bool = True,
         storage_options: Optional[dict[str, Any]] = None,
@@ -325,7 +192,7 @@ class ShardedCheckpointIO(CheckpointIO):
             if encoding not in remote.ENCODINGS:
                 raise ValueError(f"`compression={compression!r}`: {encoding!r} for {component!r} is not one of {sorted(remote.ENCODINGS)}.")
         if codecs:
-            remote._zstd()  # a missing zstandard is reported now, not at the first upload
+            remote.zstd_module()  # a missing zstandard is reported now, not at the first upload
         if isinstance(compression_level, bool) or not isinstance(compression_level, int) or not 1 <= compression_level <= 22:
             raise ValueError(f"`compression_level={compression_level!r}` must be an int from 1 to 22.")
         self.remote = remote.RemoteOptions(
@@ -337,7 +204,6 @@ class ShardedCheckpointIO(CheckpointIO):
             codecs,
             compression_level,
         )
-        self._uploader = remote.Uploader()
         self.max_shard_size = parse_size(max_shard_size, "max_shard_size")
         if verify_on_load not in _VERIFY_MODES:
             raise ValueError(f"`verify_on_load={verify_on_load!r}` must be one of {_VERIFY_MODES}.")
@@ -355,39 +221,76 @@ class ShardedCheckpointIO(CheckpointIO):
         self.when_busy = when_busy
         self.on_error = on_error
         self.overlap_copies = overlap_copies
-        self._overlap = False  # inside ``overlapping()``
         pool_cap = None if staging_pool_size is None else parse_size(staging_pool_size, "staging_pool_size")
-        self._writer = ShardWriter(parse_size(buffer_size, "buffer_size"), direct_io)
-        self._pool = StagingPool(pool_cap)
         rate = None if max_write_rate is None else parse_size(max_write_rate, "max_write_rate")
-        self._worker = WriterProcess(
-            {"chunk_bytes": self._writer.chunk_bytes, "direct_io": direct_io, "max_write_rate": rate, "remote": self.remote}
-        )
+        self._config = {"pool_cap": pool_cap, "chunk_bytes": parse_size(buffer_size, "buffer_size"), "direct_io": direct_io, "max_write_rate": rate}
         self._lock = threading.RLock()
-        self._pending: Optional[_Pending] = None  # a save whose device copies are still landing
-        self._action_errors: list[Exception] = []
-        self._copy_waits: OrderedDict[str, staging.Copies] = OrderedDict()  # path -> its latest save's copies
-        self._refuse_next_removal = False
+        self._build_savers()
         # Remote checkpoints this process loaded (resumed from), never removed by it (url_key).
         self._loaded_remote: set[str] = set()
         # Resolved checkpoint -> older intact ones to load instead if it fails verification
         # (set by ``ShardedModelCheckpoint`` for ``ckpt_path="last"``); see ``load_checkpoint``.
         self._fallbacks: dict[str, list[str]] = {}
         self.loaded_instead: tuple[str, str] | None = None  # (asked, loaded) by the last load that fell back
-        self._staged: tuple[tuple[Any, ...], dict[str, tuple[int, int]]] | None = None
-        self.skipped_saves = 0
-        self._unpolled: deque[WriteResult] = deque(maxlen=1024)
-        self.last_save: WriteResult | None = None
         self.last_stall_seconds: float | None = None  # how long the last save call blocked the caller
-        if async_save:
-            _track_optimizers()
         self.part_timeout = float(part_timeout)
         if spread_writes not in (None, True, False):
             raise ValueError(f"`spread_writes={spread_writes!r}` must be one of (None, True, False).")
         self.spread_writes = spread_writes
         self._part_token: str | None = None  # names multi-rank saves' shared folders; agreed once per run
         self._part_number = 0
-        _live_instances.add(self)
+
+    def _build_savers(self) -> None:
+        config = self._config
+        self._outcomes = Outcomes(self.on_error)
+        self._writer = ShardWriter(config["chunk_bytes"], config["direct_io"])
+        self._sync = SyncSaver(self._writer, self.remote, self._outcomes)
+        worker_config = {
+            "chunk_bytes": self._writer.chunk_bytes,
+            "direct_io": config["direct_io"],
+            "max_write_rate": config["max_write_rate"],
+            "remote": self.remote,
+        }
+        self._async = AsyncSaver(
+            self.remote, config["pool_cap"], worker_config, self.when_busy, self._lock, self._outcomes, self.async_save
+        )
+
+    # The savers' state, by the names tests and benchmarks use.
+    @property
+    def _pool(self) -> StagingPool:
+        return self._async.pool
+
+    @property
+    def _worker(self) -> WriterProcess:
+        return self._async.worker
+
+    @property
+    def _uploader(self) -> remote.Uploader:
+        return self._sync.uploader
+
+    @property
+    def _pending(self) -> Optional[_Pending]:
+        return self._async.pending
+
+    @_pending.setter
+    def _pending(self, pending: Optional[_Pending]) -> None:
+        self._async.pending = pending
+
+    def _hand_over(self) -> None:
+        self._async.hand_over()
+
+    def _drain(self, block: bool) -> None:
+        self._async.drain(block)
+
+    @property
+    def skipped_saves(self) -> int:
+        """Async saves skipped because the previous one was still being written (``when_busy="skip"``)."""
+        return self._async.skipped_saves
+
+    @property
+    def last_save(self) -> Optional[WriteResult]:
+        """The latest save known durable (async: as of the last ``poll``/save/``wait``)."""
+        return self._outcomes.last_save
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
@@ -409,7 +312,7 @@ class ShardedCheckpointIO(CheckpointIO):
                 " writer process is another, so the checkpoint would never reach this one. Use a synchronous"
                 " ShardedCheckpointIO, or a filesystem both processes reach."
             )
-        self._save(path, lambda: _prepare(checkpoint, self.max_shard_size))
+        self._save(path, lambda: savejob.prepare(checkpoint, self.max_shard_size))
 
     def save_sharded(
         self, checkpoint: dict[str, Any], path: Any, rank: int, world_size: int, broadcast: Callable[[str], str]
@@ -436,14 +339,14 @@ class ShardedCheckpointIO(CheckpointIO):
         if self._part_token is None:
             self._part_token = broadcast(secrets.token_hex(8))
         self._part_number += 1
-        folder = writer.part_folder(self._local_target(path)[0], self._part_token, self._part_number)
+        folder = parts.part_folder(savejob.commit_dir_of(path, self.remote), self._part_token, self._part_number)
 
-        def prepare() -> _Prepared:
+        def prepare() -> Prepared:
             planned = plan_part(checkpoint, rank, world_size, self.max_shard_size)
-            part = writer.Part(
+            part = parts.Part(
                 rank, world_size, folder, planned.pieces, planned.tensors, planned.layout, self.part_timeout
             )
-            return _prepared(checkpoint, planned.plan, planned.tree, part)
+            return savejob.prepared(checkpoint, planned.plan, planned.tree, part)
 
         self._save(path, prepare, can_skip=False)
 
@@ -453,136 +356,17 @@ class ShardedCheckpointIO(CheckpointIO):
         if self._part_token is None:
             self._part_token = token
 
-    def _local_target(self, path: str) -> tuple[str, str | None]:
-        """(the local directory a save of ``path`` is committed in, the temporary folder holding it
-        or ``None``): ``path`` itself when local; for a URL its local-tier copy, or a spool."""
-        if not remote.is_remote(path):
-            return path, None
-        if self.remote.local_dir is not None:
-            return self.remote.local_path(path), None
-        return remote.spool_target()
-
-    def _save(self, path: str, prepare: Callable[[], _Prepared], can_skip: bool = True) -> None:
+    def _save(self, path: str, prepare: Callable[[], Prepared], can_skip: bool = True) -> None:
         with self._lock:
-            start, started = time.perf_counter(), time.time()
-            self._raise_upload_errors()
+            start = time.perf_counter()
+            self._sync.raise_errors()
             if not self.async_save:
-                self._save_now(path, prepare(), start)
-                return
-            self._worker.ensure_started()  # detects a dead writer (its error is reported next)
-            self._report(self._worker.take_errors())
-            prepared = prepare()
-            fingerprint = _fingerprint(prepared.plan)
-            if fingerprint is not None and self._staged is not None and self._staged[0] == fingerprint:
-                # A second save of the very same tensors (top-k file, then last.ckpt, in one
-                # step): the pool holds (or is receiving) these bytes, and nothing overwrites it
-                # while the writer has jobs. Only the (small) metadata differs.
-                images = self._staged[1]
-                self._then(lambda: self._submit(prepared, path, images, started))
+                self._sync.save(path, prepare(), start)
                 self.last_stall_seconds = time.perf_counter() - start
                 return
-            self._drain(block=True)  # the pool is about to be staged again
-            self._raise_action_errors()
-            if self._worker.busy:
-                if self.when_busy == "skip" and can_skip:
-                    self.skipped_saves += 1
-                    self._refuse_next_removal = True
-                    warnings.warn(
-                        f"Skipped checkpoint {path!r}: the previous save ({self._worker.in_flight()[0]!r}) is"
-                        f" still being written and `when_busy='skip'` ({self.skipped_saves} skipped so far).",
-                        stacklevel=2,
-                    )
-                    return
-                self._worker.wait()
-                self._report(self._worker.take_errors())
-            self._refuse_next_removal = False
-            self._staged = None  # the pool is about to be overwritten
-            self._stage_and_submit(prepared, path, fingerprint, started)
-            self.last_stall_seconds = time.perf_counter() - start
-
-    def _save_now(self, path: str, prepared: _Prepared, start: float) -> None:
-        """A synchronous save; of a URL: committed locally, then published (here, or in the
-        background with a local tier). Multi-rank: rank 0 publishes once it committed the whole."""
-        local, spool = self._local_target(path)
-        with remote.spool_removed_on_failure(spool):
-            result = _write(prepared, local, self._writer)
-        publishes = local != path and (prepared.part is None or prepared.part.rank == 0)
-        if publishes and spool is not None:
-            published = remote.publish_committed(local, path, self.remote, spool)
-            result = WriteResult(path, published.nbytes, time.perf_counter() - start, result.files, result.direct_io)
-        elif publishes:
-            self._uploader.publish(lambda: remote.publish_committed(local, path, self.remote, None))
-            result = WriteResult(path, result.nbytes, result.seconds, result.files, result.direct_io)
-        self.last_save = result
-        self.last_stall_seconds = time.perf_counter() - start
-
-    def _raise_upload_errors(self) -> None:
-        """What a background upload (local tier, synchronous mode) raised, per ``on_error``."""
-        errors = self._uploader.take_errors()
-        for error in errors:
-            if not isinstance(error, CheckpointWriteError):
-                raise error
-        self._report(errors)  # type: ignore[arg-type]
-
-    def _payload(self, prepared: _Prepared) -> dict[str, Any]:
-        return {
-            "plan": prepared.plan.without_data(),
-            "metadata": prepared.metadata,
-            "created_by": _created_by(),
-            "global_step": prepared.global_step,
-            "epoch": prepared.epoch,
-            "part": prepared.part,
-        }
-
-    def _submit(
-        self, prepared: _Prepared, path: str, images: dict[str, tuple[int, int]], started: float, chunked: bool = False
-    ) -> int:
-        pool = (self._pool.fd, self._pool.generation)
-        payload = {**self._payload(prepared), "images": images, **({"chunked": True} if chunked else {})}
-        if remote.is_remote(path):  # the writer commits it locally, then publishes it
-            payload["local"], payload["spool"] = self._local_target(path)
-        return self._worker.submit("save", path, payload, pool=pool, submitted=started)
-
-    def _stage_and_submit(
-        self, prepared: _Prepared, path: str, fingerprint: tuple[Any, ...] | None, started: float
-    ) -> None:
-        image_layout, headers = staging.layout(prepared.plan)
-        cap = self._pool.max_bytes
-        if cap is not None and image_layout.nbytes > cap:
-            self._stage_in_chunks(prepared, path, image_layout, headers, cap, started)
-            return
-        deferrable = _changed_by_optimizers_only() if self._overlap else lambda _: False
-        copies = self._pool.stage(prepared.plan, image_layout, headers, deferrable)
-        self._staged = None if fingerprint is None else (fingerprint, image_layout.images)
-
-        def submit() -> None:
-            self._submit(prepared, path, image_layout.images, started)
-
-        if copies is None:
-            submit()
-            return
-        # Device copies are still landing in the pool: the writer gets the job once they have (a
-        # watcher thread); the host does not wait here. Deferred copies: see ``overlapping``.
-        self._copy_waits[path] = copies
-        while len(self._copy_waits) > _COPY_WAITS_KEPT:
-            self._copy_waits.popitem(last=False)
-        self._pending = pending = _Pending(copies, [submit])
-        threading.Thread(target=self._drain_when_landed, args=(pending,), name="lightning_ckpt-handoff", daemon=True).start()
-
-    def _then(self, action: Callable[[], None]) -> None:
-        """Run ``action`` after the pending save's hand-off to the writer (now if none is pending)."""
-        if self._pending is not None:
-            self._pending.actions.append(action)
-        else:
-            action()
-
-    def _hand_over(self) -> None:
-        """An optimizer is about to step (see ``_before_optimizer_step``)."""
-        with self._lock:
-            pending = self._pending
-            if pending is not None:
-                pending.copies.hand_over()
-                self._drain(block=False)
+            stall = self._async.save(path, prepare, can_skip, start)
+            if stall is not None:
+                self.last_stall_seconds = stall
 
     @contextlib.contextmanager
     def overlapping(self) -> Iterator[None]:
@@ -592,120 +376,25 @@ class ShardedCheckpointIO(CheckpointIO):
         promises that nothing else changes those tensors in place until then (``ShardedModelCheckpoint``
         uses it for saves between two training steps). Outside it, or with ``overlap_copies=False``,
         the training stream waits for every copy at once (the host never does)."""
-        previous, self._overlap = self._overlap, self.overlap_copies
+        previous, self._async.overlap = self._async.overlap, self.overlap_copies
         try:
             yield
         finally:
-            self._overlap = previous
-
-    def _drain_when_landed(self, pending: "_Pending") -> None:
-        pending.copies.wait()
-        with self._lock:
-            if self._pending is pending:
-                try:
-                    self._drain(block=False)
-                except Exception as error:  # raised on the training thread at its next call
-                    self._action_errors.append(error)
-
-    def _drain(self, block: bool) -> None:
-        """Hand the pending save (and what was queued behind it) to the writer once its copies have
-        landed; ``block``: wait for them (training thread only: it orders the stream after them)."""
-        with self._lock:
-            pending = self._pending
-            if pending is None:
-                return
-            if block:
-                pending.copies.hand_over()
-                pending.copies.wait()
-            elif not pending.copies.landed():
-                return
-            self._pending = None
-            errors = []
-            for action in pending.actions:  # each runs, whatever an earlier one raised
-                try:
-                    action()
-                except Exception as error:
-                    errors.append(error)
-            if errors:
-                raise errors[0]
-
-    def _raise_action_errors(self) -> None:
-        """What a removal queued behind a save raised on the watcher thread (e.g. a refused path)."""
-        if self._action_errors:
-            error, self._action_errors = self._action_errors[0], []
-            raise error
+            self._async.overlap = previous
 
     def prepare_staging(self, nbytes: int, on_device: bool) -> None:
         """Async mode: start the writer process, and allocate the staging pool for a state of
         about ``nbytes`` now and fault it in (and page-lock it, ``on_device``) in the background,
         so the first save neither waits for that nor stalls on it. A later, larger state still
         grows the pool at its save."""
-        if not self.async_save:
-            return
-        wanted = int(nbytes * _STAGING_HEADROOM) + _STAGING_SLACK  # headers, 4 KiB alignment, growth
-        if self._pool.max_bytes is not None:
-            wanted = min(wanted, self._pool.max_bytes)
-        with self._lock:
-            self._worker.ensure_started()  # its imports (seconds of CPU) run now, not in the first save
-            if self._pending is None and not self._worker.busy:  # never under a save in flight
-                self._pool.reserve(wanted, pin=on_device)
+        if self.async_save:
+            self._async.prepare_staging(nbytes, on_device)
 
     def copy_wait_seconds(self, path: Any) -> float | None:
         """How long the training stream idled (GPU time) for the device copies of the latest async
         save to ``path``: a cost of that save beyond its call. ``None`` until known; 0 for a save
         that queued no device copy of its own."""
-        copies = self._copy_waits.get(location(path))
-        return 0.0 if copies is None else copies.waited_seconds()
-
-    def _stage_in_chunks(
-        self,
-        prepared: _Prepared,
-        path: str,
-        image_layout: staging.ImageLayout,
-        headers: dict[str, Any],
-        cap: int,
-        started: float,
-    ) -> None:
-        """A state larger than ``staging_pool_size``: stage shard by shard through a ring, blocking
-        only while the shards that do not fit wait for the writer to free space."""
-        largest = max(staging.aligned(size) for _, size in image_layout.images.values())
-        if largest > cap:
-            raise ValueError(
-                f"A shard of {largest} bytes does not fit `staging_pool_size` ({cap} bytes). Raise"
-                " `staging_pool_size` or lower `max_shard_size`."
-            )
-        self._pool.reserve(cap, pin=bool(prepared.plan.cuda_devices()))
-        ring = staging.Ring(cap)
-        job_id: int | None = None
-        try:
-            for shard in prepared.plan.shards:
-                _, size = image_layout.images[shard.filename]
-                start = ring.alloc(staging.aligned(size))
-                while start is None:
-                    if job_id is None or not self._worker.wait_shard_written(job_id):
-                        # The writer ended the job (failed or died): report it now, per `on_error`.
-                        errors = self._worker.take_errors()
-                        ended = CheckpointWriteError(f"Saving {path!r} stopped: the writer ended the job.", path)
-                        self._report(errors or [ended])
-                        return
-                    ring.free_oldest()
-                    start = ring.alloc(staging.aligned(size))
-                self._pool.stage_shard(shard, headers[shard.filename], start)
-                copies = self._pool.copies()
-                if copies is not None:  # the writer reads this region next
-                    copies.hand_over()
-                    copies.wait()
-                images = {shard.filename: (start, size)}
-                if job_id is None:
-                    job_id = self._submit(prepared, path, images, started, chunked=True)
-                else:
-                    self._worker.send_images(job_id, images)
-        except BaseException:
-            # Interrupted mid-job (Ctrl-C, a device error, the writer's own failure raised
-            # above): the writer may wait for shards that will never come. End it; its job fails
-            # and nothing is committed.
-            self._worker.abort()
-            raise
+        return self._async.copy_wait_seconds(location(path))
 
     @override
     def load_checkpoint(
@@ -720,12 +409,12 @@ class ShardedCheckpointIO(CheckpointIO):
         """
         if self.async_save:
             with self._lock:
-                self._drain(block=True)
-                self._worker.wait()
+                self._async.drain(block=True)
+                self._async.worker.wait()
         if remote.is_remote(path):
-            self._uploader.wait()
+            self._sync.uploader.wait()
             self.keep_loaded(path)
-            return _load_remote(os.fspath(path), self.remote, map_location, weights_only, self.verify_on_load == "full")
+            return load_remote(os.fspath(path), self.remote, map_location, weights_only, self.verify_on_load == "full")
         candidates = [os.fspath(path), *self._fallbacks.pop(location(path), [])]
         self.loaded_instead = None
         skipped: list[tuple[str, CheckpointError]] = []
@@ -775,263 +464,49 @@ class ShardedCheckpointIO(CheckpointIO):
             )
             return
         with self._lock:
-            self._then(lambda: self._remove(path))  # after the save replacing it is handed off
+            self._async.then(lambda: self._remove(path))  # after the save replacing it is handed off
 
     def _remove(self, path: str) -> None:
         with self._lock:
-            if self._refuse_next_removal:
-                self._refuse_next_removal = False
-                warnings.warn(f"Kept {path!r}: the save that would have replaced it was skipped.", stacklevel=2)
-                return
-            if self.async_save:
-                replacing = self._worker.last_save_id
-                if self._worker.save_failed(replacing):
-                    warnings.warn(f"Kept {path!r}: the save that would have replaced it failed.", stacklevel=2)
-                    return
-                if self._worker.busy:  # runs after that save, and only if it committed
-                    self._worker.submit("remove", path, {"after": replacing})
-                    return
-            if remote.is_remote(path):
-                if self.remote.local_dir is not None and not self.async_save:  # behind the uploads
-                    self._uploader.remove(path, lambda: remote.remove_everywhere(path, self.remote))
-                else:
-                    remote.remove_everywhere(path, self.remote)
-                return
-        remove_checkpoint(path)
+            if not self.async_save:
+                self._sync.remove(path)
+            elif not self._async.remove(path):  # neither kept nor queued behind a save in flight
+                savejob.remove(path, self.remote)
 
     def wait(self) -> None:
         """Block until every save in flight is durable; raise (once) what failed in the background."""
         with self._lock:
-            self._drain(block=True)
-            self._worker.wait()
-            self._report(self._worker.take_errors())
-            self._raise_action_errors()
-            self._uploader.wait()
-            self._raise_upload_errors()
+            self._async.wait()
+            self._sync.wait()
 
     @override
     def teardown(self) -> None:
         """Wait for saves in flight, stop the writer process and free the buffers."""
         with self._lock:
             try:
-                self._drain(block=True)
-                self._worker.stop()
-                self._report(self._worker.take_errors())
-                self._uploader.wait()
-                self._raise_upload_errors()
+                self._async.stop()
+                self._sync.wait()
             finally:
-                self._staged = None
-                self._release_pool()
+                self._async.staged = None
+                self._async.release_pool()
                 self._writer.close()
-
-    def _release_pool(self) -> None:
-        """Free the staging pool. Unmapping and freeing gigabytes of shared memory takes a while
-        (0.4 s at 3 GB): a host-only pool is freed on a thread, so ``teardown`` does not wait for
-        it; a page-locked one here (unregistering synchronises with the device)."""
-        pool = self._pool
-        if pool.pins or pool.nbytes == 0:
-            pool.close()
-            return
-        self._pool = StagingPool(pool.max_bytes)
-        self._pool.generation = pool.generation  # the writer tells pools apart by generation
-        threading.Thread(target=pool.close, name="lightning_ckpt-free-pool", daemon=True).start()
-
-    def _report(self, errors: list[CheckpointWriteError]) -> None:
-        self._collect_results()
-        if not errors:
-            return
-        if self.on_error == "warn":
-            for error in errors:
-                warnings.warn(str(error), stacklevel=3)
-            return
-        if len(errors) > 1:
-            raise CheckpointWriteError("; ".join(str(e) for e in errors), errors[-1].path) from errors[0]
-        raise errors[0]
-
-    def _collect_results(self) -> None:
-        kept, self._worker.kept = self._worker.kept, []
-        for path in kept:
-            warnings.warn(f"Kept {path!r}: the save that would have replaced it failed.", stacklevel=3)
-        results, self._worker.results = self._worker.results, []
-        for r in results:
-            # seconds: from the save call until the checkpoint was committed and durable
-            self.last_save = WriteResult(r["path"], r["nbytes"], r["durable_at"] - r["submitted"], r["files"], r["direct_io"])
-            self._unpolled.append(self.last_save)
-        published, self._uploader.results = self._uploader.results, []
-        for done in published:  # local tier, synchronous mode: uploaded in the background
-            self._unpolled.append(WriteResult(done.url, done.nbytes, done.seconds, done.files, False))
 
     def poll(self) -> list[WriteResult]:
         """Async saves that became durable since the last ``poll`` (never blocks, raises nothing:
         errors surface at the defined points). Synchronous saves are durable when they return."""
         with self._lock:
-            self._worker.poll()
-            self._collect_results()
-            done = list(self._unpolled)
-            self._unpolled.clear()
-            return done
+            self._async.worker.poll()
+            return self._outcomes.take()
 
     def __getstate__(self) -> dict[str, Any]:
-        # Spawn-based strategies pickle the plugin: ship the configuration, not locks, buffers or processes.
+        # Spawn-based strategies pickle the plugin: ship the configuration, not locks, buffers,
+        # threads or processes (new savers in ``__setstate__``).
         state = self.__dict__.copy()
-        state["_lock"] = None
-        state["_pending"] = state["_staged"] = None
-        state["_action_errors"] = []
-        state["_copy_waits"] = OrderedDict()
-        state["_writer"] = ShardWriter(self._writer.chunk_bytes, self._writer.direct_io)
-        state["_pool"] = StagingPool(self._pool.max_bytes)
-        state["_worker"] = WriterProcess(self._worker.config)
-        state["_uploader"] = None  # threads and queues do not pickle: a new one in __setstate__
+        for name in ("_lock", "_outcomes", "_writer", "_sync", "_async"):
+            state[name] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.RLock()
-        self._uploader = remote.Uploader()
-        if self.async_save:
-            _track_optimizers()
-        _live_instances.add(self)
-
-
-# Saves still in flight when the interpreter exits are finished (a checkpoint the user asked for is
-# not dropped), then the writer process is stopped.
-_live_instances: weakref.WeakSet[ShardedCheckpointIO] = weakref.WeakSet()
-
-
-@dataclass
-class _Pending:
-    """An async save whose device copies are still landing, and what must follow its hand-off."""
-
-    copies: staging.Copies
-    actions: list[Callable[[], None]]  # in order: the submission first, then removals and re-saves
-
-
-# Optimizers seen stepping in this process. Their parameters and state change only in their own
-# ``step()``, so the copies of those tensors may overlap the next forward and backward.
-_stepping: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-_step_hook: Any = None
-_COPY_WAITS_KEPT = 64
-_STAGING_HEADROOM, _STAGING_SLACK = 1.05, 64 * 2**20  # prepare_staging's margin over the estimate
-
-
-def _track_optimizers() -> None:
-    """Register ``_before_optimizer_step`` once per process. It is never removed: torch iterates
-    the hooks' dict in ``step()``, so a hook removed from inside that loop (or by another thread
-    meanwhile) raises "OrderedDict mutated during iteration" there."""
-    global _step_hook
-    if _step_hook is None:
-        _step_hook = register_optimizer_step_pre_hook(_before_optimizer_step)
-
-
-def _before_optimizer_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Every optimizer's pre-step hook: note the optimizer as stepping, and, as the step changes
-    what pending device copies read, order the training stream after them here, or, for a step
-    given a closure (Lightning's automatic optimization runs forward and backward inside it), once
-    the closure has run."""
-    _stepping.add(optimizer)
-    waiting = [io for io in list(_live_instances) if io._pending is not None]
-    if not waiting:
-        return None
-
-    def hand_over() -> None:
-        for io in waiting:
-            io._hand_over()
-
-    # ``args`` starts with the optimizer itself (``step`` is a method): the closure is next.
-    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-    if not callable(closure):
-        hand_over()
-        return None
-
-    def then_hand_over(*a: Any, **k: Any) -> Any:
-        result = closure(*a, **k)
-        hand_over()
-        return result
-
-    if "closure" in kwargs:
-        return args, {**kwargs, "closure": then_hand_over}
-    return (args[0], then_hand_over, *args[2:]), kwargs
-
-
-def _storage(tensor: torch.Tensor) -> int:
-    local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard on this rank
-    return local.untyped_storage().data_ptr()
-
-
-def _changed_by_optimizers_only() -> Callable[[Blob], bool]:
-    """Which blobs the forward and backward leave alone: optimizer state, and the parameters of
-    optimizers seen stepping. Anything else (buffers, frozen weights, callback state) is not."""
-    params = {_storage(p) for optimizer in list(_stepping) for group in optimizer.param_groups for p in group["params"]}
-
-    def deferrable(blob: Blob) -> bool:
-        assert blob.source is not None
-        return blob.component == OPTIMIZER_COMPONENT or blob.source.untyped_storage().data_ptr() in params
-
-    return deferrable
-
-
-@atexit.register
-def _finish_in_flight_saves() -> None:
-    for io in list(_live_instances):
-        try:
-            io._drain(block=True)  # a save still waiting for its device copies
-            io._worker.stop()
-            io._uploader.wait()
-            for upload_error in io._uploader.take_errors():
-                warnings.warn(str(upload_error), stacklevel=1)
-            for error in io._worker.take_errors():
-                warnings.warn(str(error), stacklevel=1)
-        except Exception:  # exiting anyway; the next run cleans any temporary directory
-            io._worker.kill()
-
-
-def remove_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> None:
-    """Remove a checkpoint directory (or legacy file, or remote checkpoint). Refuses directories that
-    are not checkpoints; an interrupted removal never leaves a half-deleted checkpoint under its real name."""
-    if remote.is_remote(path):
-        remote.remove(os.fspath(path), remote.RemoteOptions(storage_options or {}))
-        return
-    writer.remove_checkpoint(os.path.abspath(_check_local(path, "path")))
-
-
-_load_patch_lock = threading.Lock()
-
-
-def load_from_checkpoint(
-    cls: type[_T],
-    checkpoint_path: str | os.PathLike[str],
-    map_location: reader.MapLocation = None,
-    hparams_file: str | os.PathLike[str] | None = None,
-    strict: bool | None = None,
-    weights_only: bool | None = None,
-    **kwargs: Any,
-) -> _T:
-    """``cls.load_from_checkpoint`` that also reads checkpoint directories.
-
-    Lightning's own ``LightningModule.load_from_checkpoint`` bypasses CheckpointIO and fails on a
-    directory. This runs Lightning's implementation unchanged (hyper-parameters, migration,
-    ``strict``, ``**kwargs`` overrides) with the file read by :func:`load_checkpoint`. A submodule
-    compiled in ``__init__`` (``self.net = torch.compile(net)``) loads keys with or without
-    ``_orig_mod.``, as ``ShardedModelCheckpoint(compile_safe=True)`` does for the Trainer::
-
-        model = load_from_checkpoint(MyModel, "checkpoints/last.ckpt")
-    """
-    from lightning.pytorch.core import saving
-
-    def _load(path: Any, map_location: Any = None, weights_only: Any = None) -> Any:
-        return load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-
-    with _load_patch_lock, load_hooks_on_compiled_submodules():
-        original = saving.pl_load
-        saving.pl_load = _load
-        try:
-            return cls.load_from_checkpoint(  # type: ignore[attr-defined,no-any-return]
-                checkpoint_path,
-                map_location=map_location,
-                hparams_file=hparams_file,
-                strict=strict,
-                weights_only=weights_only,
-                **kwargs,
-            )
-        finally:
-            saving.pl_load = original
+        self._build_savers()

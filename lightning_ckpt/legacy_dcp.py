@@ -49,7 +49,7 @@ from lightning_ckpt.errors import (
 )
 from lightning_ckpt.manifest import MANIFEST_FILE, is_safe_name
 from lightning_ckpt.plan import format_key_path
-from lightning_ckpt.reader import MapLocation, _device_for, load_legacy
+from lightning_ckpt.reader import MapLocation, device_for, load_legacy
 
 METADATA_FILE = ".metadata"  # DCP's
 META_FILE = "meta.pt"  # Lightning's: the checkpoint dict less the DCP part
@@ -103,7 +103,7 @@ def load_dcp_checkpoint(path: str, map_location: MapLocation, weights_only: bool
     as the dict that was saved. ``weights_only`` ``None``/``True`` refuses arbitrary unpickling.
     """
     safe = weights_only is None or bool(weights_only)
-    device = _device_for("cpu", map_location)  # a bad map_location fails here, before any read
+    device = device_for("cpu", map_location)  # a bad map_location fails here, before any read
     metadata = _read_metadata(path, safe)
     files = _check_storage(path, metadata)
     meta = _read_meta(path, map_location, safe)

@@ -162,7 +162,7 @@ _MAPPING_TYPES: dict[str, tuple[str, str]] = {
 }
 
 
-def _is_stored_tensor(value: torch.Tensor) -> bool:
+def is_stored_tensor(value: torch.Tensor) -> bool:
     """Tensors written as raw bytes; anything exotic (sparse, quantized, meta, subclasses) is pickled."""
     return (
         type(value) in (torch.Tensor, torch.nn.Parameter)
@@ -176,7 +176,7 @@ class _Encoder:
     def __init__(
         self,
         on_tensor: Callable[[torch.Tensor, tuple[Any, ...]], int],
-        stores: Callable[[torch.Tensor], bool] = _is_stored_tensor,
+        stores: Callable[[torch.Tensor], bool] = is_stored_tensor,
     ) -> None:
         self._on_tensor = on_tensor
         self._stores = stores
@@ -272,7 +272,7 @@ def decode_tree(
             if tag == "$size":
                 return torch.Size(payload)
             if tag == "$dtype":
-                return _dtype_from_name(payload)
+                return dtype_from_name(payload)
             if tag == "$device":
                 return torch.device(payload)
             if tag == "$complex":
@@ -303,7 +303,8 @@ def _new_mapping(type_name: str | None) -> dict[Any, Any]:
         return {}
 
 
-def _dtype_from_name(name: str) -> torch.dtype:
+def dtype_from_name(name: str) -> torch.dtype:
+    """The ``torch.dtype`` a manifest names (the inverse of ``dtype_name``; also used by ``distributed``)."""
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")
@@ -365,7 +366,8 @@ def component_names(keys: Sequence[Any]) -> dict[Any, str]:
     return names
 
 
-def _tensor_name(component: str, path: tuple[Any, ...]) -> str:
+def tensor_name(component: str, path: tuple[Any, ...]) -> str:
+    """The stored name of the tensor at ``path`` (also how ``distributed`` names multi-rank pieces)."""
     # Model weights keep their state-dict key, so the shards read like any HF checkpoint.
     inner = path[1:]
     if component == MODEL_COMPONENT and len(inner) == 1 and isinstance(inner[0], str):
@@ -377,7 +379,7 @@ Found = list[tuple[torch.Tensor, str, tuple[Any, ...]]]  # (tensor, component, k
 
 
 def encode_checkpoint(
-    checkpoint: dict[Any, Any], stores: Callable[[torch.Tensor], bool] = _is_stored_tensor
+    checkpoint: dict[Any, Any], stores: Callable[[torch.Tensor], bool] = is_stored_tensor
 ) -> tuple[Any, Found]:
     """The JSON tree of ``checkpoint`` (tensor ``i`` replaced by ``{"$tensor": i}``) and its tensors."""
     if not isinstance(checkpoint, dict):
@@ -464,7 +466,7 @@ def _dedupe(found: list[tuple[torch.Tensor, str, tuple[Any, ...]]]) -> tuple[lis
         )
         if cluster is None or len(cluster) == 1 or identical:
             if first:
-                name = unique(component, _tensor_name(component, path))
+                name = unique(component, tensor_name(component, path))
                 blobs.append(Blob(component, name, t, t.dtype, shape, t.numel() * t.element_size()))
                 if cluster is not None:
                     blob_of_cluster[id(cluster)] = (name, 0)
@@ -487,7 +489,7 @@ def _dedupe(found: list[tuple[torch.Tensor, str, tuple[Any, ...]]]) -> tuple[lis
             span = torch.empty(0, dtype=span_dtype, device=t.device).set_(
                 t.untyped_storage(), lo // item, ((hi - lo) // item,), (1,)
             )
-            name = unique(component, _tensor_name(component, path) + ".__span__")
+            name = unique(component, tensor_name(component, path) + ".__span__")
             blobs.append(Blob(component, name, span, span_dtype, ((hi - lo) // item,), hi - lo))
             blob_of_cluster[id(cluster)] = (name, lo)
         name, lo = blob_of_cluster[id(cluster)]

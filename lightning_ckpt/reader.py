@@ -49,7 +49,7 @@ _T = TypeVar("_T")
 _ATTEMPTS = 20  # reads retried when the path was replaced (atomically) while being read: each retry means a newer complete checkpoint is there
 
 
-class _Dir:
+class OpenedDir:
     """A checkpoint directory opened once. Every file is opened relative to it, so replacing the
     path meanwhile (the atomic exchange that saves ``last.ckpt``) can never mix two checkpoints:
     the read sees the old one whole, or fails and is retried on the new one (``replaced``)."""
@@ -76,7 +76,7 @@ class _Dir:
         own = os.fstat(self.fd)
         return (now.st_dev, now.st_ino) != (own.st_dev, own.st_ino)
 
-    def __enter__(self) -> _Dir:
+    def __enter__(self) -> OpenedDir:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -134,9 +134,11 @@ def _check_digest(path: str, name: str, algorithm: str, expected: str, found: st
     )
 
 
-def _retrying(path: str, read: Callable[[_Dir], _T]) -> _T:
+def read_consistently(path: str, read: Callable[[OpenedDir], _T]) -> _T:
+    """``read`` the checkpoint directory ``path`` as one checkpoint: retried on the new one when
+    the path was replaced during the read (also ``remote``'s way to open a committed directory)."""
     for attempt in range(_ATTEMPTS):
-        with _Dir(path) as directory:
+        with OpenedDir(path) as directory:
             try:
                 return read(directory)
             except (CorruptCheckpointError, CheckpointNotFoundError, FileNotFoundError):
@@ -147,10 +149,11 @@ def _retrying(path: str, read: Callable[[_Dir], _T]) -> _T:
 
 
 def read_manifest(path: str | os.PathLike[str]) -> fmt.Manifest:
-    return _retrying(os.fspath(path), _read_manifest)
+    return read_consistently(os.fspath(path), manifest_in)
 
 
-def _read_manifest(directory: _Dir) -> fmt.Manifest:
+def manifest_in(directory: OpenedDir) -> fmt.Manifest:
+    """The parsed manifest of an opened checkpoint directory; a clear error when there is none."""
     path = directory.path
     try:
         data = directory.read(fmt.MANIFEST_FILE)
@@ -163,7 +166,7 @@ def _read_manifest(directory: _Dir) -> fmt.Manifest:
         raise
 
 
-def _no_manifest_message(directory: _Dir) -> str:
+def _no_manifest_message(directory: OpenedDir) -> str:
     """Why a folder without a manifest is not a checkpoint: an interrupted save or copy leaves
     checkpoint files behind; anything else (a logs folder, the checkpoint folder itself) is a
     wrong path."""
@@ -188,7 +191,7 @@ def _no_manifest_message(directory: _Dir) -> str:
     return f"{path!r} is not a lightning_ckpt checkpoint (it has no {fmt.MANIFEST_FILE}). {hint}"
 
 
-def check_structure(directory: _Dir, manifest: fmt.Manifest) -> None:
+def check_structure(directory: OpenedDir, manifest: fmt.Manifest) -> None:
     """Every file the manifest lists exists, is a regular file inside the directory, has its size."""
     path = directory.path
     for name, record in manifest.files.items():
@@ -214,11 +217,11 @@ def check(path: str | os.PathLike[str]) -> fmt.Manifest:
     version, every listed file present with its size, the metadata's digest. Reads the manifest
     and the metadata (small) and stats the shards; catches interrupted saves, missing and
     truncated files, not bytes changed in place (``verify`` does)."""
-    return _retrying(os.fspath(path), _check)
+    return read_consistently(os.fspath(path), _check)
 
 
-def _check(directory: _Dir) -> fmt.Manifest:
-    manifest = _read_manifest(directory)
+def _check(directory: OpenedDir) -> fmt.Manifest:
+    manifest = manifest_in(directory)
     check_structure(directory, manifest)
     _read_tree(directory, manifest)
     return manifest
@@ -226,12 +229,12 @@ def _check(directory: _Dir) -> fmt.Manifest:
 
 def verify(path: str | os.PathLike[str]) -> fmt.Manifest:
     """Full verification: structure plus every file's digest. Raises on the first damaged file."""
-    return _retrying(os.fspath(path), _verify)
+    return read_consistently(os.fspath(path), _verify)
 
 
-def _verify(directory: _Dir) -> fmt.Manifest:
+def _verify(directory: OpenedDir) -> fmt.Manifest:
     path = directory.path
-    manifest = _read_manifest(directory)
+    manifest = manifest_in(directory)
     check_structure(directory, manifest)
     buffers = [mmap.mmap(-1, _VERIFY_CHUNK) for _ in range(2)]
     try:
@@ -244,7 +247,7 @@ def _verify(directory: _Dir) -> fmt.Manifest:
     return manifest
 
 
-def _file_digest(directory: _Dir, name: str, buffers: list[mmap.mmap], algorithm: str) -> str:
+def _file_digest(directory: OpenedDir, name: str, buffers: list[mmap.mmap], algorithm: str) -> str:
     """Digest of a file: a thread reads into one aligned buffer while this one hashes the other.
 
     Reads use ``O_DIRECT`` where the filesystem allows it, so verifying a checkpoint neither
@@ -308,7 +311,7 @@ class _Shard:
         return torch.frombuffer(self.mapped, dtype=torch.uint8, count=n, offset=self.data_start + entry.begin)
 
 
-def _open_shard(directory: _Dir, name: str, expected: tuple[str, str] | None = None) -> _Shard:
+def _open_shard(directory: OpenedDir, name: str, expected: tuple[str, str] | None = None) -> _Shard:
     """Map shard ``name`` and validate its header; with ``expected`` = (algorithm, digest), first
     hash the whole mapped file and raise ``CorruptCheckpointError`` on a mismatch."""
     path = directory.path
@@ -339,7 +342,7 @@ def _open_shard(directory: _Dir, name: str, expected: tuple[str, str] | None = N
     return _Shard(mapped, data_start, entries)
 
 
-def _open_verified(directory: _Dir, manifest: fmt.Manifest) -> dict[str, _Shard]:
+def _open_verified(directory: OpenedDir, manifest: fmt.Manifest) -> dict[str, _Shard]:
     """Hash every listed file before any tensor exists; map the shards (returned, by name).
 
     Shards are hashed on a few threads at once (the digests release the GIL), so a checkpoint of
@@ -392,7 +395,7 @@ def _mapped_digest(mapped: mmap.mmap, algorithm: str) -> str:
     return running.hexdigest()
 
 
-def _device_for(location: str, map_location: MapLocation) -> torch.device:
+def device_for(location: str, map_location: MapLocation) -> torch.device:
     """Where a tensor saved on ``location`` goes. ``None`` means CPU, as Lightning's CheckpointIO does."""
     if map_location is None:
         return torch.device("cpu")
@@ -414,11 +417,11 @@ def load(
     verify_checksums: bool = False,
 ) -> dict[Any, Any]:
     """Load a directory checkpoint written by lightning_ckpt (see ``lightning_ckpt.load_checkpoint``)."""
-    return _retrying(os.fspath(path), lambda d: _load(d, map_location, weights_only, verify_checksums))
+    return read_consistently(os.fspath(path), lambda d: _load(d, map_location, weights_only, verify_checksums))
 
 
-def _load(directory: _Dir, map_location: MapLocation, weights_only: bool | None, verify_checksums: bool) -> dict[Any, Any]:
-    manifest = _read_manifest(directory)
+def _load(directory: OpenedDir, map_location: MapLocation, weights_only: bool | None, verify_checksums: bool) -> dict[Any, Any]:
+    manifest = manifest_in(directory)
     check_structure(directory, manifest)
     tree = _read_tree(directory, manifest)
     shards = _open_verified(directory, manifest) if verify_checksums else {}
@@ -426,7 +429,7 @@ def _load(directory: _Dir, map_location: MapLocation, weights_only: bool | None,
     return _decode(directory, manifest, tree, tensors.tensor, map_location, weights_only)
 
 
-def _read_tree(directory: _Dir, manifest: fmt.Manifest) -> Any:
+def _read_tree(directory: OpenedDir, manifest: fmt.Manifest) -> Any:
     """The metadata's JSON tree. It is small and decides what is read: its digest is checked in every mode."""
     path = directory.path
     metadata = directory.read(manifest.metadata_file)
@@ -439,7 +442,7 @@ def _read_tree(directory: _Dir, manifest: fmt.Manifest) -> Any:
 
 
 def _decode(
-    directory: _Dir,
+    directory: OpenedDir,
     manifest: fmt.Manifest,
     tree: Any,
     tensor: Callable[[int], torch.Tensor],
@@ -472,7 +475,7 @@ class _Tensors:
 
     def __init__(
         self,
-        directory: _Dir,
+        directory: OpenedDir,
         manifest: fmt.Manifest,
         map_location: MapLocation,
         shards: dict[str, _Shard],
@@ -526,7 +529,7 @@ class _Tensors:
 
     def tensor(self, index: int) -> torch.Tensor:
         t = self.manifest.tensors[index]
-        device = _device_for(t.device, self.map_location)
+        device = device_for(t.device, self.map_location)
         if t.chunks is None:
             result = self._view(t, None, device)
         else:  # a sharded save: the whole tensor, assembled from its pieces
@@ -550,8 +553,8 @@ class ShardFiles:
     the manifest, pieces as CPU views, and the dict with chosen tensors supplied by the caller."""
 
     def __init__(self, path: str, verify: bool) -> None:
-        self.directory = _Dir(path)
-        self.manifest = _read_manifest(self.directory)
+        self.directory = OpenedDir(path)
+        self.manifest = manifest_in(self.directory)
         check_structure(self.directory, self.manifest)
         self._tensors = _Tensors(self.directory, self.manifest, None, {}, verify_each=verify)
 

@@ -158,7 +158,8 @@ class _Codec(Protocol):
     def __call__(self, data: Any, /) -> bytes: ...
 
 
-def _zstd() -> Any:
+def zstd_module() -> Any:
+    """The ``zstandard`` module, or a ``MissingDependencyError`` naming the extra that installs it."""
     try:
         import zstandard
     except ImportError as err:
@@ -172,7 +173,7 @@ def _encoder(encoding: str | None, level: int) -> tuple[_Codec, Callable[[], byt
     """(feed, finish) of a streaming encoder: identity, or one zstd frame with its content checksum."""
     if encoding is None:
         return bytes, lambda: b""
-    compressor = _zstd().ZstdCompressor(level=level, write_checksum=True).compressobj()
+    compressor = zstd_module().ZstdCompressor(level=level, write_checksum=True).compressobj()
     return compressor.compress, compressor.flush
 
 
@@ -180,7 +181,7 @@ def _decoded(source: Any, encoding: str | None, part_size: int) -> Iterator[byte
     """The bytes of an object read from the file object ``source``, decompressed with
     ``encoding``: read a part at a time, and decompressed a piece at a time, so a highly
     compressible part never expands in memory whole."""
-    stream = source if encoding is None else _zstd().ZstdDecompressor().stream_reader(source, read_size=part_size)
+    stream = source if encoding is None else zstd_module().ZstdDecompressor().stream_reader(source, read_size=part_size)
     step = part_size if encoding is None else _PIECE
     while data := stream.read(step):
         yield data
@@ -653,12 +654,12 @@ def _open_committed(local: str) -> tuple[bytes, fmt.Manifest, dict[str, int]]:
     """The manifest (bytes, parsed) of the committed local checkpoint ``local`` and an open fd of
     each file it lists, all read through one directory fd: one checkpoint, whatever replaces it
     once they are open. Replaced (and removed) while being opened: the newer one is opened."""
-    from lightning_ckpt.reader import _Dir, _read_manifest, _retrying
+    from lightning_ckpt.reader import OpenedDir, manifest_in, read_consistently
 
-    def open_all(directory: _Dir) -> tuple[bytes, fmt.Manifest, dict[str, int]]:
+    def open_all(directory: OpenedDir) -> tuple[bytes, fmt.Manifest, dict[str, int]]:
         fds: dict[str, int] = {}
         try:
-            manifest = _read_manifest(directory)
+            manifest = manifest_in(directory)
             data = directory.read(fmt.MANIFEST_FILE)
             for name in manifest.files:
                 fds[name] = directory.open(name)
@@ -668,7 +669,7 @@ def _open_committed(local: str) -> tuple[bytes, fmt.Manifest, dict[str, int]]:
             raise
         return data, manifest, fds
 
-    return _retrying(local, open_all)
+    return read_consistently(local, open_all)
 
 
 def _listing(fs: AbstractFileSystem, path: str) -> list[str]:

@@ -317,7 +317,7 @@ class StagingPool:
         view = self._view
         assert view is not None
         header_bytes, entries = header
-        self._writable(offset + len(header_bytes))
+        self.wait_writable(offset + len(header_bytes))
         view[offset : offset + len(header_bytes)].copy_(torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8))
         data = offset + len(header_bytes)
         later = []
@@ -327,7 +327,7 @@ class StagingPool:
             assert blob.source is not None
             start = data + entries[blob.name].begin
             if blob.source.device.type != "cuda":
-                self._writable(start + blob.nbytes)
+                self.wait_writable(start + blob.nbytes)
                 view[start : start + blob.nbytes].view(blob.source.dtype).view(blob.source.shape).copy_(blob.source.detach())
             elif deferrable(blob):
                 later.append((blob, start))
@@ -360,7 +360,7 @@ class StagingPool:
                 piece = piece_end
             blob.source.record_stream(self._stream)
 
-    def _writable(self, end: int) -> None:
+    def wait_writable(self, end: int) -> None:
         """Wait until ``[0, end)`` is faulted in: the background thread must be past a chunk before
         anything is written to it (its fallback zero-fills)."""
         assert self._preparer is not None

@@ -15,7 +15,6 @@ Nothing here imports Lightning.
 
 from __future__ import annotations
 
-import dataclasses
 import mmap
 import os
 import pickle
@@ -348,8 +347,9 @@ class _StagedImages:
 
 
 def _serve(sock: socket.socket) -> None:
-    from lightning_ckpt import remote
-    from lightning_ckpt.writer import ShardWriter, remove_checkpoint, write_checkpoint
+    from lightning_ckpt import remote, savejob
+    from lightning_ckpt.savejob import SaveJob
+    from lightning_ckpt.writer import ShardWriter
 
     writer: ShardWriter | None = None
     options = remote.RemoteOptions()
@@ -380,23 +380,8 @@ def _serve(sock: socket.socket) -> None:
             if kind == "save":
                 assert writer is not None and pool is not None
                 started = time.perf_counter()
-                local, spool = message.get("local"), message.get("spool")  # a URL: committed here first
-                with remote.spool_removed_on_failure(spool):
-                    result = write_checkpoint(
-                        message["plan"],
-                        local or message["path"],
-                        writer,
-                        metadata=message["metadata"],
-                        created_by=message["created_by"],
-                        global_step=message["global_step"],
-                        epoch=message["epoch"],
-                        images=_StagedImages(sock, pool, message, backlog),
-                        part=message.get("part"),
-                    )
-                part = message.get("part")
-                if local is not None and (part is None or part.rank == 0):  # then durable when published
-                    published = remote.publish_committed(local, message["path"], options, spool)
-                    result = dataclasses.replace(result, nbytes=published.nbytes)
+                job: SaveJob = message["job"]  # committed locally first, then published (a URL)
+                result = job.run(writer, images=_StagedImages(sock, pool, message, backlog))
                 reply["result"] = {
                     "nbytes": result.nbytes,
                     "write_seconds": time.perf_counter() - started,
@@ -407,10 +392,8 @@ def _serve(sock: socket.socket) -> None:
             elif kind == "remove":
                 if message.get("after") in failed:
                     reply["status"] = "kept"  # the checkpoint meant to replace it was not committed
-                elif remote.is_remote(message["path"]):
-                    remote.remove_everywhere(message["path"], options)
                 else:
-                    remove_checkpoint(message["path"])
+                    savejob.remove(message["path"], options)
             else:
                 raise ValueError(f"unknown job {kind!r}")
         except EOFError:

@@ -21,7 +21,6 @@ import ctypes
 import errno
 import fcntl
 import json
-import math
 import mmap
 import os
 import queue
@@ -41,6 +40,7 @@ from lightning_ckpt.errors import CheckpointError, CheckpointWriteError
 from lightning_ckpt.plan import Blob, Plan, dtype_name
 
 TMP_MARKER = ".lckpt-tmp-"
+PART_MARKER = ".lckpt-part-"  # the shared folder of a multi-rank save (see ``parts``)
 _ALIGN = 4096  # O_DIRECT alignment for buffer address, file offset and length
 DEFAULT_CHUNK_BYTES = 16 * 2**20
 _RING = 4  # buffers in flight: filling, hashing, writing, and one spare to absorb jitter
@@ -458,12 +458,12 @@ def commit(tmp: str, target: str) -> None:
     # a hidden temporary name that the next save into this folder removes.
     if replaced is not None:
         try:
-            _remove(replaced)
+            remove_tree(replaced)
         except OSError:
             pass
 
 
-def _remove(path: str) -> None:
+def remove_tree(path: str) -> None:
     """Remove a file or tree; another process removing the same stale leftover is not an error."""
 
     def ignore_missing(func: Any, name: str, exc_info: Any) -> None:
@@ -502,7 +502,7 @@ class TempDir:
 
     def release(self, remove: bool) -> None:
         if remove:
-            _remove(self.path)
+            remove_tree(self.path)
             _restore_or_remove_aside(self.path + ".old")
         try:
             os.unlink(self.lock_path)
@@ -525,7 +525,7 @@ def _restore_or_remove_aside(aside: str) -> None:
     if not os.path.lexists(target) and os.path.exists(os.path.join(aside, fmt.MANIFEST_FILE)):
         os.rename(aside, target)
     else:
-        _remove(aside)
+        remove_tree(aside)
 
 
 def clean_stale(folder: str) -> list[str]:
@@ -548,9 +548,9 @@ def clean_stale(folder: str) -> list[str]:
                 if name.endswith(".old"):
                     _restore_or_remove_aside(path)
                 else:
-                    _remove(path)
+                    remove_tree(path)
                 if held:
-                    _remove(lock_path)
+                    remove_tree(lock_path)
             removed.append(path)
         except OSError:
             continue  # best effort (e.g. another user's leftovers): never fail a save over it
@@ -563,7 +563,7 @@ def clean_stale(folder: str) -> list[str]:
             try:
                 with _held_lock(lock_path) as held:
                     if held:
-                        _remove(lock_path)
+                        remove_tree(lock_path)
             except OSError:
                 continue
     return removed
@@ -598,21 +598,14 @@ def write_checkpoint(
     global_step: int | None = None,
     epoch: int | None = None,
     images: ImageSource | None = None,
-    part: Part | None = None,
 ) -> WriteResult:
     """Write ``plan`` as a committed checkpoint directory at ``target`` (see the commit protocol).
 
     Shard bytes come from the plan's tensors, or, with ``images``, from shard file images staged
-    in shared memory (the async path). With ``part``, ``plan`` is this rank's share of a
-    multi-rank save (:func:`write_part`).
+    in shared memory (the async path). A multi-rank save's part: ``parts.write_part``.
     """
-    if part is not None:
-        return write_part(
-            plan, target, shard_writer, part, metadata=metadata, created_by=created_by,
-            global_step=global_step, epoch=epoch, images=images,
-        )
     start = time.perf_counter()
-    target, parent = _prepare_target(target, replaces=True)
+    target, parent = prepare_target(target, replaces=True)
     tmp = None
     try:
         tmp = TempDir(target)
@@ -652,7 +645,7 @@ def write_checkpoint(
     except BaseException as err:
         if tmp is not None:
             tmp.release(remove=True)
-        error = _write_error(err, target)
+        error = write_error(err, target)
         if error is None:
             raise
         raise error from err
@@ -661,7 +654,7 @@ def write_checkpoint(
     return WriteResult(target, total, time.perf_counter() - start, len(files) + 1, direct)
 
 
-def _prepare_target(target: str | os.PathLike[str], replaces: bool) -> tuple[str, str]:
+def prepare_target(target: str | os.PathLike[str], replaces: bool) -> tuple[str, str]:
     """(absolute target, its folder), the folder created. With ``replaces`` (the process that
     commits): refuse to replace a directory that is not a checkpoint, and clean crashed saves."""
     target = os.path.abspath(os.fspath(target))
@@ -682,7 +675,7 @@ def _prepare_target(target: str | os.PathLike[str], replaces: bool) -> tuple[str
     return target, parent
 
 
-def _write_error(err: BaseException, target: str, writer: str = "Saving checkpoint") -> CheckpointWriteError | None:
+def write_error(err: BaseException, target: str, writer: str = "Saving checkpoint") -> CheckpointWriteError | None:
     """The ``CheckpointWriteError`` a failed save raises, saying whether anything was committed;
     ``None`` for what is not a write failure (an interrupt), which propagates as it is."""
     if isinstance(err, CommittedError):
@@ -784,224 +777,17 @@ def remove_checkpoint(path: str) -> None:
     clean_stale(parent)  # removes `doomed` (no live lock holds it) and any other leftovers
 
 
-# ----------------------------------------------------------------------------------------------
-# Multi-rank saves: every rank writes its part into one shared temporary directory; rank 0
-# commits the whole once every part is durable. Ranks signal through the filesystem, so no
-# collective waits on a write (``distributed.py`` plans the parts).
-
-PART_MARKER = ".lckpt-part-"
-DEFAULT_PART_TIMEOUT = 1800.0  # seconds rank 0 waits for the other ranks' parts (NCCL's default timeout)
-_PART_POLL_SECONDS = 0.02
-
-
-@dataclass(frozen=True)
-class Part:
-    """This rank's share of a multi-rank save.
-
-    ``folder`` is the shared temporary directory, ``.<name>.lckpt-part-<run token>-<save number>``
-    beside the target: the same on every rank (the token is agreed once per run). ``pieces`` say
-    which stored blob holds which part of which tensor (``{"id", "blob", "offsets", "shape"}``
-    plus ``byte_offset``/``stride`` for views); ``tensors`` is the table of every tensor of the
-    checkpoint (equal on every rank; rank 0 writes it), ``layout`` its digest.
-    """
-
-    rank: int
-    world_size: int
-    folder: str
-    pieces: list[dict[str, Any]]
-    tensors: list[dict[str, Any]]
-    layout: str
-    timeout: float
-
-
-def part_folder(target: str, token: str, number: int) -> str:
-    parent, name = os.path.split(target)
-    return os.path.join(parent, f".{name}{PART_MARKER}{token}-{number}")
-
-
-def _part_file(rank: int) -> str:
-    return f"rank-{rank:05d}.json"
-
-
-def _publish(folder: str, name: str, body: dict[str, Any]) -> None:
-    """Make ``name`` appear in ``folder`` complete or not at all (write, fsync, rename, fsync dir)."""
-    staging = os.path.join(folder, f".{name}.tmp")
-    write_small(staging, json.dumps(body).encode())
-    os.rename(staging, os.path.join(folder, name))
-    fsync_dir(folder)
-
-
-def write_part(
-    plan: Plan,
-    target: str | os.PathLike[str],
-    shard_writer: ShardWriter,
-    part: Part,
-    *,
-    metadata: bytes,
-    created_by: dict[str, str],
-    global_step: int | None = None,
-    epoch: int | None = None,
-    images: ImageSource | None = None,
-) -> WriteResult:
-    """Write this rank's shards of a multi-rank save; on rank 0, then commit the whole checkpoint.
-
-    Every rank publishes ``rank-NNNNN.json`` (its files and pieces) once its shards are durable,
-    or ``rank-NNNNN.failed`` with its error. Rank 0 waits for every rank's file (at most
-    ``part.timeout`` seconds), writes the tensor table, ``metadata.json`` and ``manifest.json``,
-    and renames the directory into place: until then nothing loads it, and a save that any rank
-    failed is never committed (the previous checkpoint stays).
-    """
-    start = time.perf_counter()
-    target, parent = _prepare_target(target, replaces=part.rank == 0)
-    if part.rank == 0:
-        clean_stale_parts(parent, keep=os.path.basename(part.folder).rsplit("-", 1)[0])
+def link_checkpoint(filepath: str, linkpath: str) -> None:
+    """Make ``linkpath`` (absolute) a link to the checkpoint ``filepath``, or a copy where links are
+    refused, swapped in atomically: a complete checkpoint is at ``linkpath`` at every instant."""
+    temporary = TempDir(linkpath, make_dir=False)  # locked: stale cleanup leaves it alone
     try:
-        os.makedirs(part.folder, exist_ok=True)  # any rank may get here first
-        direct = shard_writer.use_direct(parent)
-        files = write_shards(plan, part.folder, shard_writer, direct, images)
-        file_of_blob = plan.file_of_blob()
-        pieces = [{**p, "file": file_of_blob[(p["component"], p["blob"])]} for p in part.pieces]
-        model_blobs = [[b.name, s.filename, b.nbytes] for s in plan.shards if s.component == "model" for b in s.blobs]
-        _publish(
-            part.folder,
-            _part_file(part.rank),
-            {
-                "rank": part.rank,
-                "layout": part.layout,
-                "files": {name: [r.size, r.digest] for name, r in files.items()},
-                "pieces": pieces,
-                "model_blobs": model_blobs,
-            },
-        )
-    except BaseException as err:
-        if part.rank != 0:
-            with contextlib.suppress(OSError):
-                _publish(part.folder, f"rank-{part.rank:05d}.failed", {"error": f"{type(err).__name__}: {err}"})
-        else:
-            _remove(part.folder)
-        error = _write_error(err, target, f"Rank {part.rank} writing its part of checkpoint")
-        if error is None:
-            raise
-        raise error from err
-    nbytes = sum(r.size for r in files.values())
-    if part.rank != 0:
-        return WriteResult(target, nbytes, time.perf_counter() - start, len(files), direct)
-    try:
-        manifest = _merge_parts(part, target, metadata, created_by, global_step, epoch)
-        data = manifest.to_bytes()
-        write_small(os.path.join(part.folder, fmt.MANIFEST_FILE), data)
-        fsync_dir(part.folder)
-        commit(part.folder, target)
-    except BaseException as err:
-        _remove(part.folder)
-        error = _write_error(err, target)
-        if error is None:
-            raise
-        raise error from err
-    total = manifest.total_bytes + len(data)
-    return WriteResult(target, total, time.perf_counter() - start, len(manifest.files) + 1, direct)
-
-
-def _wait_for_parts(part: Part, target: str) -> list[dict[str, Any]]:
-    """Every rank's published part, in rank order (rank 0 only)."""
-    deadline = time.monotonic() + part.timeout
-    bodies: dict[int, dict[str, Any]] = {}
-    while len(bodies) < part.world_size:
-        for rank in range(part.world_size):
-            if rank in bodies:
-                continue
-            failed = os.path.join(part.folder, f"rank-{rank:05d}.failed")
-            if os.path.exists(failed):
-                with open(failed, "rb") as f:
-                    raise RuntimeError(f"rank {rank} could not write its part ({json.loads(f.read())['error']})")
-            with contextlib.suppress(FileNotFoundError):
-                with open(os.path.join(part.folder, _part_file(rank)), "rb") as f:
-                    bodies[rank] = json.loads(f.read())
-        if len(bodies) < part.world_size:
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(part.world_size)) - set(bodies))
-                raise RuntimeError(
-                    f"ranks {missing} did not finish their parts of {target!r} within {part.timeout:.0f} s. Every"
-                    " rank must write to the same shared filesystem path; a rank that died or is still writing"
-                    " leaves the save uncommitted. Raise `ShardedCheckpointIO(part_timeout=...)` for slow storage."
-                )
-            time.sleep(_PART_POLL_SECONDS)
-    return [bodies[rank] for rank in range(part.world_size)]
-
-
-def _merge_parts(
-    part: Part,
-    target: str,
-    metadata: bytes,
-    created_by: dict[str, str],
-    global_step: int | None,
-    epoch: int | None,
-) -> fmt.Manifest:
-    """Rank 0: the manifest of the whole checkpoint, from every rank's published part."""
-    bodies = _wait_for_parts(part, target)
-    files: dict[str, fmt.FileRecord] = {}
-    pieces: dict[int, list[dict[str, Any]]] = {}
-    model_blobs: list[tuple[Blob, str]] = []
-    for body in bodies:
-        if body["layout"] != part.layout:
-            raise RuntimeError(
-                f"rank {body['rank']} saved a different set of tensors than rank 0 (names, shapes or dtypes"
-                " differ). Every rank must save the same checkpoint structure."
-            )
-        for name, (size, digest) in body["files"].items():
-            files[name] = fmt.FileRecord(size, digest, body["rank"])
-        for piece in body["pieces"]:
-            pieces.setdefault(piece["id"], []).append(piece)
-        model_blobs += [
-            (Blob("model", name, None, torch.uint8, (nbytes,), nbytes), filename) for name, filename, nbytes in body["model_blobs"]
-        ]
-    for name, record in write_small_files(part.folder, metadata, model_blobs).items():
-        files[name] = fmt.FileRecord(record.size, record.digest, 0)
-    for rank in range(part.world_size):
-        os.remove(os.path.join(part.folder, _part_file(rank)))
-    records = []
-    for index, tensor in enumerate(part.tensors):
-        found = sorted(pieces.get(index, []), key=lambda p: p["offsets"])
-        covered = sum(math.prod(p["shape"]) for p in found)
-        if covered != math.prod(tensor["shape"]):
-            raise RuntimeError(
-                f"the saved pieces of tensor {tensor['path']!r} cover {covered} of its {math.prod(tensor['shape'])}"
-                " elements; every element must be written by exactly one rank"
-            )
-        first = found[0] if found else {"file": fmt.METADATA_FILE, "blob": ""}
-        whole = len(found) == 1 and first["shape"] == tensor["shape"]
-        views = {k: first.get(k) for k in ("byte_offset", "stride")} if whole else {}
-        chunks = None if whole else [
-            {k: p[k] for k in ("file", "blob", "offsets", "shape", "byte_offset", "stride") if p.get(k) is not None}
-            for p in found
-        ]
-        records.append(fmt.TensorRecord(**tensor, file=first["file"], blob=first["blob"], chunks=chunks, **views))
-    components: dict[str, list[str]] = {}
-    for record in records:
-        for name in [record.file] + [c["file"] for c in record.chunks or ()]:
-            if name != fmt.METADATA_FILE and name not in components.setdefault(record.component, []):
-                components[record.component].append(name)
-    return fmt.Manifest(
-        files=files,
-        components={c: sorted(names) for c, names in components.items()},
-        tensors=records,
-        created_by=created_by,
-        global_step=global_step,
-        epoch=epoch,
-        format_version=fmt.SHARDED_FORMAT_VERSION,
-        model_index_file=fmt.MODEL_INDEX_FILE if model_blobs else None,
-        extra={"world_size": part.world_size},
-    )
-
-
-def clean_stale_parts(folder: str, keep: str) -> list[str]:
-    """Remove the shared temporary directories of multi-rank saves from other runs (crashed or
-    killed saves); ``keep`` is this run's prefix (``.<name>.lckpt-part-<token>``)."""
-    token = keep.split(PART_MARKER, 1)[-1]
-    removed = []
-    with contextlib.suppress(OSError):
-        for name in os.listdir(folder):
-            if name.startswith(".") and PART_MARKER in name and name.split(PART_MARKER, 1)[1].rsplit("-", 1)[0] != token:
-                _remove(os.path.join(folder, name))
-                removed.append(name)
-    return removed
+        try:
+            os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), temporary.path)
+        except OSError:  # no symlinks (Windows without privileges): copy
+            (shutil.copytree if os.path.isdir(filepath) else shutil.copy)(filepath, temporary.path)
+        commit(temporary.path, linkpath)
+    except BaseException:
+        temporary.release(remove=True)
+        raise
+    temporary.release(remove=False)

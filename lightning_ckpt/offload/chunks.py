@@ -146,7 +146,7 @@ class HostArena:
         )
 
     def writable(self, spec: ChunkSpec) -> None:
-        self._pool._writable(spec.host_end)  # the pool's own wait for its background thread
+        self._pool.wait_writable(spec.host_end)  # the pool's own wait for its background thread
 
     @property
     def pinned_bytes(self) -> int:

@@ -1,0 +1,498 @@
+"""The savers behind ``ShardedCheckpointIO``, and the one place their background errors surface.
+
+* ``Outcomes``: results of saves that became durable (for ``poll``/``last_save``) and the errors
+  of background work (writer process, uploads, the hand-off thread), each raised or warned
+  (``on_error``) once, at a defined point: the next save, ``wait()``, ``teardown()``.
+* ``SyncSaver``: runs a ``savejob.SaveJob`` in the caller; a local-tier upload goes to its
+  ``remote.Uploader`` thread.
+* ``AsyncSaver``: stages the state into a reused ``staging.StagingPool``, hands the job to the
+  writer process (``worker.WriterProcess``) once device copies have landed (a hand-off thread, or
+  the optimizer pre-step hook here), reuses staged bytes for a second save of the same tensors
+  (fingerprint), skips or waits while busy, queues removals behind the save replacing them, and
+  finishes saves in flight at interpreter exit.
+
+Threads: the caller's (training) thread runs everything but the hand-off thread
+(``drain_when_landed``) and the upload thread; both take the plugin's lock. Imports ``savejob``,
+``staging``, ``worker``, ``remote``; never Lightning or ``io``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import warnings
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from lightning_ckpt import remote, savejob, staging
+from lightning_ckpt.errors import CheckpointWriteError
+from lightning_ckpt.plan import OPTIMIZER_COMPONENT, Blob
+from lightning_ckpt.savejob import Destination, Prepared
+from lightning_ckpt.staging import StagingPool
+from lightning_ckpt.worker import WriterProcess
+from lightning_ckpt.writer import ShardWriter, WriteResult
+
+
+class Outcomes:
+    """Durable saves not yet polled, the latest one, and the policy for background errors."""
+
+    def __init__(self, on_error: Literal["raise", "warn"]) -> None:
+        self.on_error = on_error
+        self.unpolled: deque[WriteResult] = deque(maxlen=1024)
+        self.last_save: WriteResult | None = None
+        self.collectors: list[Callable[[], None]] = []  # each moves finished results in here
+
+    def collect(self) -> None:
+        for collect in self.collectors:
+            collect()
+
+    def report(self, errors: Sequence[CheckpointWriteError]) -> None:
+        """Collect finished results, then raise ``errors`` (several: one error naming them all)
+        or, with ``on_error="warn"``, warn about each."""
+        self.collect()
+        if not errors:
+            return
+        if self.on_error == "warn":
+            for error in errors:
+                warnings.warn(str(error), stacklevel=4)
+            return
+        if len(errors) > 1:
+            raise CheckpointWriteError("; ".join(str(e) for e in errors), errors[-1].path) from errors[0]
+        raise errors[0]
+
+    def report_any(self, errors: Sequence[BaseException]) -> None:
+        """As ``report``; an error that is not a ``CheckpointWriteError`` (a bug, an interrupt in a
+        background thread) is raised whatever ``on_error`` says."""
+        for error in errors:
+            if not isinstance(error, CheckpointWriteError):
+                raise error
+        self.report(errors)  # type: ignore[arg-type]
+
+    def take(self) -> list[WriteResult]:
+        self.collect()
+        done = list(self.unpolled)
+        self.unpolled.clear()
+        return done
+
+
+class SyncSaver:
+    """Saves in the caller: returns once committed (a URL: published, or committed in the local
+    tier and handed to the upload thread)."""
+
+    def __init__(self, writer: ShardWriter, options: remote.RemoteOptions, outcomes: Outcomes) -> None:
+        self.writer, self.options, self.outcomes = writer, options, outcomes
+        self.uploader = remote.Uploader()
+        outcomes.collectors.append(self.collect)
+        _sync_savers.add(self)
+
+    def save(self, path: str, prepared: Prepared, start: float) -> WriteResult:
+        """Write, commit and publish ``prepared`` at ``path`` (``start``: ``perf_counter`` at the call)."""
+        job = prepared.job(Destination.resolve(path, self.options))
+        result = job.run(self.writer, upload=self.uploader.publish)
+        if job.publishes and job.destination.spool is not None:  # durable once published: the whole call
+            result = WriteResult(path, result.nbytes, time.perf_counter() - start, result.files, result.direct_io)
+        self.outcomes.last_save = result
+        return result
+
+    def remove(self, path: str) -> None:
+        """Remove ``path``; a URL with a local tier behind the uploads in flight."""
+        if remote.is_remote(path) and self.options.local_dir is not None:
+            self.uploader.remove(path, lambda: savejob.remove(path, self.options))
+        else:
+            savejob.remove(path, self.options)
+
+    def collect(self) -> None:
+        published, self.uploader.results = self.uploader.results, []
+        for done in published:  # local tier: uploaded in the background
+            self.outcomes.unpolled.append(WriteResult(done.url, done.nbytes, done.seconds, done.files, False))
+
+    def raise_errors(self) -> None:
+        """What a background upload raised, per ``on_error``."""
+        self.outcomes.report_any(self.uploader.take_errors())
+
+    def wait(self) -> None:
+        self.uploader.wait()
+        self.raise_errors()
+
+
+class AsyncSaver:
+    """Async saves of one plugin (see the module docstring). Every method runs under ``lock``."""
+
+    def __init__(
+        self,
+        options: remote.RemoteOptions,
+        pool_cap: int | None,
+        worker_config: dict[str, Any],
+        when_busy: Literal["wait", "skip"],
+        lock: threading.RLock,
+        outcomes: Outcomes,
+        track_optimizers: bool,
+    ) -> None:
+        self.options, self.when_busy, self.lock, self.outcomes = options, when_busy, lock, outcomes
+        self.pool = StagingPool(pool_cap)
+        self.worker = WriterProcess(worker_config)
+        self.pending: Pending | None = None  # a save whose device copies are still landing
+        self.action_errors: list[Exception] = []
+        self.copy_waits: OrderedDict[str, staging.Copies] = OrderedDict()  # path -> its latest save's copies
+        self.staged: tuple[tuple[Any, ...], dict[str, tuple[int, int]]] | None = None  # fingerprint, images
+        self.refuse_next_removal = False
+        self.skipped_saves = 0
+        self.overlap = False  # inside ``ShardedCheckpointIO.overlapping()`` with ``overlap_copies``
+        outcomes.collectors.append(self.collect)
+        if track_optimizers:
+            _track_optimizers()
+        _async_savers.add(self)
+
+    def save(self, path: str, prepare: Callable[[], Prepared], can_skip: bool, start: float) -> float | None:
+        """Stage the save ``prepare()`` plans and hand it to the writer process (once its device
+        copies have landed); how long the caller was held (``start``: ``perf_counter`` at its
+        call), or ``None`` when the save was skipped (``when_busy="skip"``, ``can_skip``)."""
+        started = time.time()
+        with self.lock:
+            self.worker.ensure_started()  # detects a dead writer (its error is reported next)
+            self.outcomes.report(self.worker.take_errors())
+            prepared = prepare()
+            fingerprint = savejob.fingerprint(prepared.plan)
+            if fingerprint is not None and self.staged is not None and self.staged[0] == fingerprint:
+                # A second save of the very same tensors (top-k file, then last.ckpt, in one
+                # step): the pool holds (or is receiving) these bytes, and nothing overwrites it
+                # while the writer has jobs. Only the (small) metadata differs.
+                images = self.staged[1]
+                self.then(lambda: self.submit(prepared, path, images, started))
+                return time.perf_counter() - start
+            self.drain(block=True)  # the pool is about to be staged again
+            self.raise_action_errors()
+            if self.worker.busy:
+                if self.when_busy == "skip" and can_skip:
+                    self.skipped_saves += 1
+                    self.refuse_next_removal = True
+                    warnings.warn(
+                        f"Skipped checkpoint {path!r}: the previous save ({self.worker.in_flight()[0]!r}) is"
+                        f" still being written and `when_busy='skip'` ({self.skipped_saves} skipped so far).",
+                        stacklevel=4,
+                    )
+                    return None
+                self.worker.wait()
+                self.outcomes.report(self.worker.take_errors())
+            self.refuse_next_removal = False
+            self.staged = None  # the pool is about to be overwritten
+            self.stage_and_submit(prepared, path, fingerprint, started)
+            return time.perf_counter() - start
+
+    def submit(
+        self, prepared: Prepared, path: str, images: dict[str, tuple[int, int]], started: float, chunked: bool = False
+    ) -> int:
+        """Send the job (without tensor data) and the staged images' offsets to the writer process;
+        the destination is resolved here, so a skipped or failed staging leaves no spool behind."""
+        pool = (self.pool.fd, self.pool.generation)
+        job = prepared.job(Destination.resolve(path, self.options), with_data=False)
+        message = {"job": job, "images": images, **({"chunked": True} if chunked else {})}
+        return self.worker.submit("save", path, message, pool=pool, submitted=started)
+
+    def stage_and_submit(
+        self, prepared: Prepared, path: str, fingerprint: tuple[Any, ...] | None, started: float
+    ) -> None:
+        image_layout, headers = staging.layout(prepared.plan)
+        cap = self.pool.max_bytes
+        if cap is not None and image_layout.nbytes > cap:
+            self.stage_in_chunks(prepared, path, image_layout, headers, cap, started)
+            return
+        deferrable = _changed_by_optimizers_only() if self.overlap else lambda _: False
+        copies = self.pool.stage(prepared.plan, image_layout, headers, deferrable)
+        self.staged = None if fingerprint is None else (fingerprint, image_layout.images)
+
+        def submit() -> None:
+            self.submit(prepared, path, image_layout.images, started)
+
+        if copies is None:
+            submit()
+            return
+        # Device copies are still landing in the pool: the writer gets the job once they have (a
+        # watcher thread); the host does not wait here. Deferred copies: see ``overlapping``.
+        self.copy_waits[path] = copies
+        while len(self.copy_waits) > _COPY_WAITS_KEPT:
+            self.copy_waits.popitem(last=False)
+        self.pending = pending = Pending(copies, [submit])
+        threading.Thread(target=self.drain_when_landed, args=(pending,), name="lightning_ckpt-handoff", daemon=True).start()
+
+    def then(self, action: Callable[[], None]) -> None:
+        """Run ``action`` after the pending save's hand-off to the writer (now if none is pending)."""
+        if self.pending is not None:
+            self.pending.actions.append(action)
+        else:
+            action()
+
+    def hand_over(self) -> None:
+        """An optimizer is about to step (see ``_before_optimizer_step``): order the training
+        stream after the pending copies, and hand the save over if they have landed."""
+        with self.lock:
+            pending = self.pending
+            if pending is not None:
+                pending.copies.hand_over()
+                self.drain(block=False)
+
+
+    def drain_when_landed(self, pending: Pending) -> None:
+        pending.copies.wait()
+        with self.lock:
+            if self.pending is pending:
+                try:
+                    self.drain(block=False)
+                except Exception as error:  # raised on the training thread at its next call
+                    self.action_errors.append(error)
+
+    def drain(self, block: bool) -> None:
+        """Hand the pending save (and what was queued behind it) to the writer once its copies have
+        landed; ``block``: wait for them (training thread only: it orders the stream after them)."""
+        with self.lock:
+            pending = self.pending
+            if pending is None:
+                return
+            if block:
+                pending.copies.hand_over()
+                pending.copies.wait()
+            elif not pending.copies.landed():
+                return
+            self.pending = None
+            errors = []
+            for action in pending.actions:  # each runs, whatever an earlier one raised
+                try:
+                    action()
+                except Exception as error:
+                    errors.append(error)
+            if errors:
+                raise errors[0]
+
+    def raise_action_errors(self) -> None:
+        """What a removal queued behind a save raised on the watcher thread (e.g. a refused path)."""
+        if self.action_errors:
+            error, self.action_errors = self.action_errors[0], []
+            raise error
+
+    def prepare_staging(self, nbytes: int, on_device: bool) -> None:
+        """Async mode: start the writer process, and allocate the staging pool for a state of
+        about ``nbytes`` now and fault it in (and page-lock it, ``on_device``) in the background,
+        so the first save neither waits for that nor stalls on it. A later, larger state still
+        grows the pool at its save."""
+        wanted = int(nbytes * _STAGING_HEADROOM) + _STAGING_SLACK  # headers, 4 KiB alignment, growth
+        if self.pool.max_bytes is not None:
+            wanted = min(wanted, self.pool.max_bytes)
+        with self.lock:
+            self.worker.ensure_started()  # its imports (seconds of CPU) run now, not in the first save
+            if self.pending is None and not self.worker.busy:  # never under a save in flight
+                self.pool.reserve(wanted, pin=on_device)
+
+    def copy_wait_seconds(self, path: Any) -> float | None:
+        """How long the training stream idled (GPU time) for the device copies of the latest async
+        save to ``path``: a cost of that save beyond its call. ``None`` until known; 0 for a save
+        that queued no device copy of its own."""
+        copies = self.copy_waits.get(path)
+        return 0.0 if copies is None else copies.waited_seconds()
+
+    def stage_in_chunks(
+        self,
+        prepared: Prepared,
+        path: str,
+        image_layout: staging.ImageLayout,
+        headers: dict[str, Any],
+        cap: int,
+        started: float,
+    ) -> None:
+        """A state larger than ``staging_pool_size``: stage shard by shard through a ring, blocking
+        only while the shards that do not fit wait for the writer to free space."""
+        largest = max(staging.aligned(size) for _, size in image_layout.images.values())
+        if largest > cap:
+            raise ValueError(
+                f"A shard of {largest} bytes does not fit `staging_pool_size` ({cap} bytes). Raise"
+                " `staging_pool_size` or lower `max_shard_size`."
+            )
+        self.pool.reserve(cap, pin=bool(prepared.plan.cuda_devices()))
+        ring = staging.Ring(cap)
+        job_id: int | None = None
+        try:
+            for shard in prepared.plan.shards:
+                _, size = image_layout.images[shard.filename]
+                start = ring.alloc(staging.aligned(size))
+                while start is None:
+                    if job_id is None or not self.worker.wait_shard_written(job_id):
+                        # The writer ended the job (failed or died): report it now, per `on_error`.
+                        errors = self.worker.take_errors()
+                        ended = CheckpointWriteError(f"Saving {path!r} stopped: the writer ended the job.", path)
+                        self.outcomes.report(errors or [ended])
+                        return
+                    ring.free_oldest()
+                    start = ring.alloc(staging.aligned(size))
+                self.pool.stage_shard(shard, headers[shard.filename], start)
+                copies = self.pool.copies()
+                if copies is not None:  # the writer reads this region next
+                    copies.hand_over()
+                    copies.wait()
+                images = {shard.filename: (start, size)}
+                if job_id is None:
+                    job_id = self.submit(prepared, path, images, started, chunked=True)
+                else:
+                    self.worker.send_images(job_id, images)
+        except BaseException:
+            # Interrupted mid-job (Ctrl-C, a device error, the writer's own failure raised
+            # above): the writer may wait for shards that will never come. End it; its job fails
+            # and nothing is committed.
+            self.worker.abort()
+            raise
+
+
+    def release_pool(self) -> None:
+        """Free the staging pool. Unmapping and freeing gigabytes of shared memory takes a while
+        (0.4 s at 3 GB): a host-only pool is freed on a thread, so ``teardown`` does not wait for
+        it; a page-locked one here (unregistering synchronises with the device)."""
+        pool = self.pool
+        if pool.pins or pool.nbytes == 0:
+            pool.close()
+            return
+        self.pool = StagingPool(pool.max_bytes)
+        self.pool.generation = pool.generation  # the writer tells pools apart by generation
+        threading.Thread(target=pool.close, name="lightning_ckpt-free-pool", daemon=True).start()
+
+    def remove(self, path: str) -> bool:
+        """Queue the removal of ``path`` behind the save replacing it; ``True`` when handled here
+        (kept, or queued in the writer), ``False`` when the caller removes it now."""
+        with self.lock:
+            if self.refuse_next_removal:
+                self.refuse_next_removal = False
+                warnings.warn(f"Kept {path!r}: the save that would have replaced it was skipped.", stacklevel=4)
+                return True
+            replacing = self.worker.last_save_id
+            if self.worker.save_failed(replacing):
+                warnings.warn(f"Kept {path!r}: the save that would have replaced it failed.", stacklevel=4)
+                return True
+            if self.worker.busy:  # runs after that save, and only if it committed
+                self.worker.submit("remove", path, {"after": replacing})
+                return True
+            return False
+
+    def collect(self) -> None:
+        kept, self.worker.kept = self.worker.kept, []
+        for path in kept:
+            warnings.warn(f"Kept {path!r}: the save that would have replaced it failed.", stacklevel=4)
+        results, self.worker.results = self.worker.results, []
+        for r in results:
+            # seconds: from the save call until the checkpoint was committed and durable
+            result = WriteResult(r["path"], r["nbytes"], r["durable_at"] - r["submitted"], r["files"], r["direct_io"])
+            self.outcomes.last_save = result
+            self.outcomes.unpolled.append(result)
+
+    def wait(self) -> None:
+        """Block until every save in flight is durable; raise (once) what failed."""
+        with self.lock:
+            self.drain(block=True)
+            self.worker.wait()
+            self.outcomes.report(self.worker.take_errors())
+            self.raise_action_errors()
+
+    def stop(self) -> None:
+        """Finish the saves in flight and stop the writer process; raise what failed."""
+        with self.lock:
+            self.drain(block=True)
+            self.worker.stop()
+            self.outcomes.report(self.worker.take_errors())
+
+
+@dataclass
+class Pending:
+    """An async save whose device copies are still landing, and what must follow its hand-off."""
+
+    copies: staging.Copies
+    actions: list[Callable[[], None]]  # in order: the submission first, then removals and re-saves
+
+
+# Optimizers seen stepping in this process. Their parameters and state change only in their own
+# ``step()``, so the copies of those tensors may overlap the next forward and backward.
+_stepping: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_async_savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()  # the step hook and exit handler walk these
+_sync_savers: weakref.WeakSet[SyncSaver] = weakref.WeakSet()
+_step_hook: Any = None
+_COPY_WAITS_KEPT = 64
+_STAGING_HEADROOM, _STAGING_SLACK = 1.05, 64 * 2**20  # prepare_staging's margin over the estimate
+
+
+def _track_optimizers() -> None:
+    """Register ``_before_optimizer_step`` once per process. It is never removed: torch iterates
+    the hooks' dict in ``step()``, so a hook removed from inside that loop (or by another thread
+    meanwhile) raises "OrderedDict mutated during iteration" there."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_pre_hook(_before_optimizer_step)
+
+
+def _before_optimizer_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Every optimizer's pre-step hook: note the optimizer as stepping, and, as the step changes
+    what pending device copies read, order the training stream after them here, or, for a step
+    given a closure (Lightning's automatic optimization runs forward and backward inside it), once
+    the closure has run."""
+    _stepping.add(optimizer)
+    waiting = [saver for saver in list(_async_savers) if saver.pending is not None]
+    if not waiting:
+        return None
+
+    def hand_over() -> None:
+        for saver in waiting:
+            saver.hand_over()
+
+    # ``args`` starts with the optimizer itself (``step`` is a method): the closure is next.
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if not callable(closure):
+        hand_over()
+        return None
+
+    def then_hand_over(*a: Any, **k: Any) -> Any:
+        result = closure(*a, **k)
+        hand_over()
+        return result
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": then_hand_over}
+    return (args[0], then_hand_over, *args[2:]), kwargs
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard on this rank
+    return local.untyped_storage().data_ptr()
+
+
+def _changed_by_optimizers_only() -> Callable[[Blob], bool]:
+    """Which blobs the forward and backward leave alone: optimizer state, and the parameters of
+    optimizers seen stepping. Anything else (buffers, frozen weights, callback state) is not."""
+    params = {_storage(p) for optimizer in list(_stepping) for group in optimizer.param_groups for p in group["params"]}
+
+    def deferrable(blob: Blob) -> bool:
+        assert blob.source is not None
+        return blob.component == OPTIMIZER_COMPONENT or blob.source.untyped_storage().data_ptr() in params
+
+    return deferrable
+
+
+@atexit.register
+def _finish_in_flight_saves() -> None:
+    """Saves still in flight when the interpreter exits are finished (a checkpoint the user asked
+    for is not dropped), then the writer process is stopped; what failed is warned about."""
+    for saver in list(_async_savers):
+        try:
+            saver.drain(block=True)  # a save still waiting for its device copies
+            saver.worker.stop()
+            for error in saver.worker.take_errors():
+                warnings.warn(str(error), stacklevel=1)
+        except Exception:  # exiting anyway; the next run cleans any temporary directory
+            saver.worker.kill()
+    for sync_saver in list(_sync_savers):
+        try:
+            sync_saver.uploader.wait()
+            for upload_error in sync_saver.uploader.take_errors():
+                warnings.warn(str(upload_error), stacklevel=1)
+        except Exception:
+            pass
