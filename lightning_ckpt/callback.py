@@ -832,7 +832,8 @@ def _written(io: Any, filepath: str, stall: float) -> tuple[int | None, float | 
     """(bytes, seconds until durable) of a save that just returned, where the IO can tell."""
     if _async(io):
         return None, None  # known once the writer process reports it (see ``poll``)
-    last = io.last_save if isinstance(io, CheckpointIOFeatures) else None
+    features = _features(io)
+    last = None if features is None else features.last_save
     if last is not None and os.path.abspath(last.path) == os.path.abspath(filepath):
         return last.nbytes, last.seconds  # ShardedCheckpointIO, synchronous
     if os.path.isfile(filepath):  # Lightning's TorchCheckpointIO: written when save returned

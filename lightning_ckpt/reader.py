@@ -221,10 +221,14 @@ def check(path: str | os.PathLike[str]) -> fmt.Manifest:
 
 
 def _check(directory: OpenedDir) -> fmt.Manifest:
+    return _checked(directory)[0]
+
+
+def _checked(directory: OpenedDir) -> tuple[fmt.Manifest, Any]:
+    """The cheap check (see :func:`check`): the manifest and the metadata's verified JSON tree."""
     manifest = manifest_in(directory)
     check_structure(directory, manifest)
-    _read_tree(directory, manifest)
-    return manifest
+    return manifest, _read_tree(directory, manifest)
 
 
 def verify(path: str | os.PathLike[str]) -> fmt.Manifest:
@@ -421,9 +425,7 @@ def load(
 
 
 def _load(directory: OpenedDir, map_location: MapLocation, weights_only: bool | None, verify_checksums: bool) -> dict[Any, Any]:
-    manifest = manifest_in(directory)
-    check_structure(directory, manifest)
-    tree = _read_tree(directory, manifest)
+    manifest, tree = _checked(directory)
     shards = _open_verified(directory, manifest) if verify_checksums else {}
     tensors = _Tensors(directory, manifest, map_location, shards, verify_each=False)
     return _decode(directory, manifest, tree, tensors.tensor, map_location, weights_only)
