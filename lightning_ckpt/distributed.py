@@ -45,6 +45,7 @@ from lightning_ckpt import reader
 from lightning_ckpt.plan import (
     Found,
     Plan,
+    Stable,
     dtype_from_name,
     dtype_name,
     encode_checkpoint,
@@ -109,8 +110,11 @@ class PartPlan:
     layout: str  # ``layout_digest(tensors)``: rank 0 refuses parts whose layout differs from its own
 
 
-def plan_part(checkpoint: dict[Any, Any], rank: int, world_size: int, max_shard_size: int) -> PartPlan:
-    """This rank's share of a multi-rank save of ``checkpoint`` (see the module docstring)."""
+def plan_part(
+    checkpoint: dict[Any, Any], rank: int, world_size: int, max_shard_size: int, stable: Stable | None = None
+) -> PartPlan:
+    """This rank's share of a multi-rank save of ``checkpoint`` (see the module docstring);
+    ``stable``: see ``plan.plan_tensors``."""
     tree, found = encode_checkpoint(checkpoint, _stored)
     flat = {str(i): t for i, (t, _, _) in enumerate(found)}
     planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -143,7 +147,9 @@ def plan_part(checkpoint: dict[Any, Any], rank: int, world_size: int, max_shard_
         owned[shared].append((planner.resolve_data(item), component, (path[0], name)))
         pieces[shared].append({"id": index, "component": component, "offsets": offsets, "shape": list(chunk.sizes)})
     plans = [
-        plan_tensors(owned[shared], max_shard_size, file_tag=f"rank{rank:05d}" + ("-shared" if shared else ""))
+        plan_tensors(
+            owned[shared], max_shard_size, file_tag=f"rank{rank:05d}" + ("-shared" if shared else ""), stable=stable
+        )
         for shared in (False, True)
     ]
     plan = Plan(

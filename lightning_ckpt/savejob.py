@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from lightning_ckpt import parts, remote, writer
-from lightning_ckpt.plan import Plan, make_plan
+from lightning_ckpt.incremental import Reused
+from lightning_ckpt.plan import Plan, Stable, make_plan
 from lightning_ckpt.writer import ImageSource, ShardWriter, WriteResult, write_checkpoint
 
 
@@ -125,15 +126,19 @@ class Prepared:
     epoch: int | None
     part: parts.Part | None = None
 
-    def job(self, destination: Destination, with_data: bool = True) -> SaveJob:
+    def job(self, destination: Destination, with_data: bool = True, reuse: dict[str, Reused] | None = None) -> SaveJob:
         """This save to ``destination``; ``with_data=False`` drops the tensors (for the writer
-        process, which reads staged images instead)."""
+        process, which reads staged images instead); ``reuse``: shard files taken from earlier
+        checkpoints (see ``incremental``)."""
         plan = self.plan if with_data else self.plan.without_data()
-        return SaveJob(plan, self.metadata, self.global_step, self.epoch, destination, self.part, created_by())
+        return SaveJob(
+            plan, self.metadata, self.global_step, self.epoch, destination, self.part, created_by(), reuse or None
+        )
 
 
-def prepare(checkpoint: dict[str, Any], max_shard_size: int) -> Prepared:
-    plan = make_plan(checkpoint, max_shard_size)
+def prepare(checkpoint: dict[str, Any], max_shard_size: int, stable: Stable | None = None) -> Prepared:
+    """Plan ``checkpoint``; ``stable`` picks the tensors kept in shards of their own (see ``plan``)."""
+    plan = make_plan(checkpoint, max_shard_size, stable)
     return prepared(checkpoint, plan, plan.tree)
 
 
@@ -155,6 +160,7 @@ class SaveJob:
     destination: Destination
     part: parts.Part | None
     created_by: dict[str, str]
+    reuse: dict[str, Reused] | None = None  # shard filename -> the earlier file it is taken from
 
     @property
     def publishes(self) -> bool:
@@ -179,11 +185,13 @@ class SaveJob:
                 result = write_checkpoint(
                     self.plan, destination.commit_dir, shard_writer, metadata=self.metadata,
                     created_by=self.created_by, global_step=self.global_step, epoch=self.epoch, images=images,
+                    reuse=self.reuse,
                 )
             else:  # this rank's part; rank 0 then commits the whole
                 result = parts.write_part(
                     self.plan, destination.commit_dir, shard_writer, self.part, metadata=self.metadata,
                     created_by=self.created_by, global_step=self.global_step, epoch=self.epoch, images=images,
+                    reuse=self.reuse,
                 )
         if not self.publishes:
             return result
@@ -192,7 +200,8 @@ class SaveJob:
             return dataclasses.replace(result, path=destination.path)
         published = destination.publish()
         return WriteResult(
-            destination.path, published.nbytes, result.seconds + published.seconds, result.files, result.direct_io
+            destination.path, published.nbytes, result.seconds + published.seconds, result.files, result.direct_io,
+            result.reused_bytes, result.stored,
         )
 
 
