@@ -223,6 +223,8 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         io = sharded_io(trainer.strategy)
         if io is not None:
             io.use_part_token(token)
+        if (features := _features(trainer.strategy.checkpoint_io)) is not None:
+            features.track_frozen(pl_module)  # frozen weights in shards of their own (incremental saves)
         # Before the strategy restores (Trainer._run: callbacks' setup, then strategy.setup, then the
         # restore): a stock ModelParallelStrategy / FSDPStrategy resumes from our checkpoints.
         enable_sharded_resume(trainer.strategy)
@@ -542,8 +544,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
     def _record(self, trainer: pl.Trainer, filepath: str, stall: float, before: MemoryStats, release: SaveRelease) -> None:
         after = release.after
         io = trainer.strategy.checkpoint_io
-        nbytes, durable = _written(io, filepath, stall)
-        waits_copies = _async(io)
+        (nbytes, durable, reused), waits_copies = _written(io, filepath, stall), _async(io)
         previous = self._memory_after_save
         record = SaveRecord(
             index=len(self._monitor.records),
@@ -553,6 +554,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             call_s=stall,
             release_s=release.seconds,
             nbytes=nbytes,
+            reused_bytes=reused,  # of ``nbytes``, reused from an earlier checkpoint (incremental saves)
             durable_s=durable,
             host_rss_before=before.host_rss,
             host_rss_after=after.host_rss,
@@ -645,7 +647,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             match = next((i for i, (p, _) in enumerate(self._awaiting_durable) if p == path), None)
             if match is not None:
                 _, record = self._awaiting_durable.pop(match)
-                record.nbytes, record.durable_s = result.nbytes, result.seconds
+                record.nbytes, record.durable_s, record.reused_bytes = result.nbytes, result.seconds, result.reused_bytes
                 done.append(record)
         return done
 
@@ -828,17 +830,17 @@ def _same_folder(a: _PATH, b: _PATH | None) -> bool:
     return b is not None and os.path.abspath(a) == os.path.abspath(b)
 
 
-def _written(io: Any, filepath: str, stall: float) -> tuple[int | None, float | None]:
-    """(bytes, seconds until durable) of a save that just returned, where the IO can tell."""
+def _written(io: Any, filepath: str, stall: float) -> tuple[int | None, float | None, int | None]:
+    """(bytes, seconds until durable, of those bytes reused) of a save that just returned, where known."""
     if _async(io):
-        return None, None  # known once the writer process reports it (see ``poll``)
+        return None, None, None  # known once the writer process reports it (see ``poll``)
     features = _features(io)
     last = None if features is None else features.last_save
     if last is not None and os.path.abspath(last.path) == os.path.abspath(filepath):
-        return last.nbytes, last.seconds  # ShardedCheckpointIO, synchronous
+        return last.nbytes, last.seconds, last.reused_bytes  # ShardedCheckpointIO, synchronous
     if os.path.isfile(filepath):  # Lightning's TorchCheckpointIO: written when save returned
-        return os.path.getsize(filepath), stall
-    return None, None
+        return os.path.getsize(filepath), stall, 0
+    return None, None, None
 
 
 def _result_collections(trainer: pl.Trainer) -> list[Any]:

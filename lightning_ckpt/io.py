@@ -90,6 +90,8 @@ class CheckpointIOFeatures(Protocol):
 
     def fall_back_on_damage(self, path: Any, fallbacks: list[str]) -> None: ...
 
+    def track_frozen(self, module: Any) -> None: ...
+
 
 class ShardedCheckpointIO(CheckpointIO):
     """Lightning ``CheckpointIO`` that saves split, sharded, atomic, checksummed checkpoint directories.
