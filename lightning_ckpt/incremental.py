@@ -112,15 +112,28 @@ class Snapshot:
         return cls({s.filename: (shard_key(s), tuple(tensor_state(b) for b in s.blobs)) for s in plan.shards})
 
 
+# A file as it was: (size, st_dev, st_ino, st_mtime_ns). Links and renames keep it; a rewrite or a
+# new file (even one given a recycled inode number) does not.
+FileId = tuple[int, int, int, int]
+
+
+def file_id(path: str) -> FileId | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns
+
+
 @dataclass(frozen=True, slots=True)
 class Reused:
     """A shard file of the new checkpoint taken from an earlier one (picklable, for the writer):
-    where it is, and its size, digest and inode when that checkpoint committed."""
+    where it is, and its size, digest and identity when that checkpoint committed."""
 
-    source: str  # absolute path of the file in the earlier checkpoint
+    sources: tuple[str, ...]  # its path in the earlier checkpoint; then where it lies until that commits
     size: int
     digest: str
-    inode: tuple[int, int]  # (st_dev, st_ino)
+    id: FileId
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +143,7 @@ class StoredFile:
     filename: str
     size: int
     digest: str
-    inode: tuple[int, int]
+    id: FileId
 
 
 @dataclass
@@ -139,6 +152,8 @@ class _Record:
 
     target: str
     files: dict[ShardKey, tuple[StoredFile, tuple[TensorState | None, ...]]]
+    # A multi-rank save's shared folder: a rank's part is durable there before rank 0 commits it.
+    part_folder: str | None = None
 
 
 @dataclass
@@ -175,21 +190,25 @@ class Tracker:
                 new is not None and old is not None and new.same(old) for new, old in zip(states, old_states)
             ):
                 continue  # a changed blob, or one that cannot be tracked: write the file
-            source = os.path.join(record.target, stored.filename)
-            if _identity(source) != (stored.size, stored.inode):
+            folders = (record.target,) + ((record.part_folder,) if record.part_folder else ())
+            sources = tuple(os.path.join(folder, stored.filename) for folder in folders)
+            if all(file_id(source) != stored.id for source in sources):
                 continue  # removed or replaced since (by someone else): write it
-            reuse[filename] = Reused(source, stored.size, stored.digest, stored.inode)
+            reuse[filename] = Reused(sources, stored.size, stored.digest, stored.id)
         return reuse
 
-    def committed(self, snapshot: Snapshot, target: str, stored: Iterable[StoredFile]) -> None:
-        """The save of ``snapshot`` committed ``stored`` at ``target``: the latest in its folder."""
+    def committed(
+        self, snapshot: Snapshot, target: str, stored: Iterable[StoredFile], part_folder: str | None = None
+    ) -> None:
+        """The save of ``snapshot`` committed ``stored`` at ``target``: the latest in its folder.
+        ``part_folder``: a multi-rank save's, where this rank's files are until rank 0 commits."""
         by_name = {s.filename: s for s in stored}
         files = {
             key: (by_name[filename], states)
             for filename, (key, states) in snapshot.shards.items()
             if filename in by_name
         }
-        self._records[os.path.dirname(target)] = _Record(target, files)
+        self._records[os.path.dirname(target)] = _Record(target, files, part_folder)
 
     def forget(self, path: str) -> None:
         """``path`` (a checkpoint) is being removed: never reuse from it."""
@@ -201,21 +220,13 @@ class Tracker:
         self._records.clear()
 
 
-def _identity(path: str) -> tuple[int, tuple[int, int]] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_size, (st.st_dev, st.st_ino)
-
-
 def stored_files(folder: str, files: Mapping[str, fmt.FileRecord], plan: Plan) -> tuple[StoredFile, ...]:
     """The ``StoredFile`` of each shard file of ``plan`` in ``folder`` (recorded in ``files``)."""
     result = []
     for name in (shard.filename for shard in plan.shards):
-        st = os.stat(os.path.join(folder, name))
-        record = files[name]
-        result.append(StoredFile(name, record.size, record.digest, (st.st_dev, st.st_ino)))
+        record, found = files[name], file_id(os.path.join(folder, name))
+        if found is not None:
+            result.append(StoredFile(name, record.size, record.digest, found))
     return tuple(result)
 
 
@@ -223,35 +234,40 @@ class ReuseUnavailable(OSError):
     """An earlier checkpoint's file meant for reuse is gone or not what it was."""
 
 
-def place_reused(reused: Reused, path: str, manifests: dict[str, fmt.Manifest]) -> fmt.FileRecord:
-    """Put the earlier file ``reused.source`` at ``path`` (a new checkpoint's temporary directory):
-    a hard link, or a copy where the filesystem refuses links. Returns its record, carried over
-    from the earlier checkpoint's manifest (``manifests`` caches those per checkpoint). Raises
-    ``ReuseUnavailable`` when that file is gone or not the one recorded; nothing is left at
-    ``path`` then."""
-    folder, name = os.path.split(reused.source)
-    try:
-        manifest = manifests.get(folder)
-        if manifest is None:
-            with open(os.path.join(folder, fmt.MANIFEST_FILE), "rb") as f:
-                manifest = manifests[folder] = fmt.Manifest.from_bytes(f.read(), where=folder)
-        record = manifest.files.get(name)
-        source_stat = os.stat(reused.source)
-    except (OSError, fmt.CorruptCheckpointError, ValueError) as err:
-        raise ReuseUnavailable(errno.ENOENT, f"cannot reuse {reused.source!r}: {err}") from err
-    if (
-        record is None
-        or (record.size, record.digest) != (reused.size, reused.digest)
-        or (source_stat.st_size, (source_stat.st_dev, source_stat.st_ino)) != (reused.size, reused.inode)
-    ):
-        raise ReuseUnavailable(errno.ESTALE, f"cannot reuse {reused.source!r}: it changed since it was written")
-    try:
-        os.link(reused.source, path)
-    except OSError as err:
-        if err.errno not in _NO_LINK:
-            raise ReuseUnavailable(err.errno, f"cannot link {reused.source!r}: {err.strerror}") from err
-        _copy(reused.source, path)
-    return fmt.FileRecord(record.size, record.digest)
+def place_reused(reused: Reused, path: str, manifests: dict[str, fmt.Manifest | None]) -> fmt.FileRecord:
+    """Put the earlier file ``reused`` at ``path`` (a new checkpoint's temporary directory): a
+    hard link, or a copy where the filesystem refuses links. Returns its record, the earlier
+    checkpoint's (checked against its manifest where it has one yet; ``manifests`` caches them).
+    Raises ``ReuseUnavailable`` when that file is gone or not the one recorded; nothing is left
+    at ``path`` then."""
+    # Twice round: a multi-rank save's file may move from its part folder into the checkpoint
+    # (rank 0's commit renames the folder) between two looks.
+    for source in reused.sources * 2:
+        if file_id(source) != reused.id:
+            continue
+        folder, name = os.path.split(source)
+        if folder not in manifests:
+            try:
+                with open(os.path.join(folder, fmt.MANIFEST_FILE), "rb") as f:
+                    manifests[folder] = fmt.Manifest.from_bytes(f.read(), where=folder)
+            except FileNotFoundError:
+                manifests[folder] = None  # a part folder: no manifest until rank 0 commits
+            except (OSError, fmt.CorruptCheckpointError, ValueError) as err:
+                raise ReuseUnavailable(errno.ESTALE, f"cannot reuse {source!r}: {err}") from err
+        manifest, record = manifests[folder], fmt.FileRecord(reused.size, reused.digest)
+        listed = None if manifest is None else manifest.files.get(name)
+        if manifest is not None and (listed is None or (listed.size, listed.digest) != (record.size, record.digest)):
+            raise ReuseUnavailable(errno.ESTALE, f"cannot reuse {source!r}: its manifest records another file")
+        try:
+            os.link(source, path)
+        except FileNotFoundError:
+            continue  # moved meanwhile
+        except OSError as err:
+            if err.errno not in _NO_LINK:
+                raise ReuseUnavailable(err.errno, f"cannot link {source!r}: {err.strerror}") from err
+            _copy(source, path)
+        return record
+    raise ReuseUnavailable(errno.ENOENT, f"cannot reuse {reused.sources[0]!r}: it is gone or changed since it was written")
 
 
 def place_all(reuse: Mapping[str, Reused], folder: str, staged: bool) -> tuple[dict[str, fmt.FileRecord], set[str]]:
@@ -261,7 +277,7 @@ def place_all(reuse: Mapping[str, Reused], folder: str, staged: bool) -> tuple[d
     caller writes it from the tensors), unless the save was ``staged`` without it (async): then
     the save fails, nothing is committed, and the next save writes every file."""
     files: dict[str, fmt.FileRecord] = {}
-    manifests: dict[str, fmt.Manifest] = {}
+    manifests: dict[str, fmt.Manifest | None] = {}
     for filename, source in reuse.items():
         try:
             files[filename] = place_reused(source, os.path.join(folder, filename), manifests)

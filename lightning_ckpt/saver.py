@@ -110,7 +110,7 @@ class SyncSaver:
                 self.tracker.clear()
             raise
         if self.tracker is not None and ticket is not None:
-            self.tracker.committed(*ticket, result.stored)
+            self.tracker.committed(ticket[0], ticket[1], result.stored, ticket[2])
         if job.publishes and job.destination.spool is not None:  # durable once published: the whole call
             result = dataclasses.replace(result, path=path, seconds=time.perf_counter() - start)
         self.outcomes.last_save = result
@@ -440,7 +440,7 @@ class AsyncSaver:
             )
             ticket = self.tickets.pop(r["id"], None)
             if ticket is not None and self.tracker is not None:
-                self.tracker.committed(*ticket, result.stored)
+                self.tracker.committed(ticket[0], ticket[1], result.stored, ticket[2])
             self.outcomes.last_save = result
             self.outcomes.unpolled.append(result)
 
@@ -517,8 +517,9 @@ def _before_optimizer_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[s
     return (args[0], then_hand_over, *args[2:]), kwargs
 
 
-# An incremental save's ticket: its snapshot and the folder it commits in, for ``Tracker.committed``.
-Ticket = tuple[Snapshot, str]
+# An incremental save's ticket, for ``Tracker.committed``: its snapshot, the checkpoint it commits,
+# and a multi-rank save's part folder.
+Ticket = tuple[Snapshot, str, "str | None"]
 
 
 def begin_incremental(
@@ -530,7 +531,7 @@ def begin_incremental(
         return {}, None
     target = os.path.abspath(savejob.commit_dir_of(path, options))
     reuse, snapshot = tracker.begin(prepared.plan, target)
-    return reuse, (snapshot, target)
+    return reuse, (snapshot, target, None if prepared.part is None else prepared.part.folder)
 
 
 def _storage(tensor: torch.Tensor) -> int:

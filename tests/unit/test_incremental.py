@@ -18,6 +18,7 @@ from lightning_ckpt.incremental import (
     ReuseUnavailable,
     Snapshot,
     Tracker,
+    file_id,
     frozen_keys,
     place_reused,
     stable_predicate,
@@ -194,15 +195,24 @@ def test_place_reused_links_and_carries_the_digest_and_refuses_a_changed_file(tm
     source = str(tmp_path / "a.ckpt" / "model-00001-of-00001.safetensors")
     manifest = read_manifest(tmp_path / "a.ckpt")
     record = manifest.files["model-00001-of-00001.safetensors"]
-    st = os.stat(source)
-    reused = Reused(source, record.size, record.digest, (st.st_dev, st.st_ino))
+    reused = Reused((source,), record.size, record.digest, file_id(source))
     placed = place_reused(reused, str(tmp_path / "new.safetensors"), {})
     assert placed == fmt.FileRecord(record.size, record.digest)
-    assert os.stat(tmp_path / "new.safetensors").st_ino == st.st_ino
-    stale = Reused(source, record.size, "0" * 16, (st.st_dev, st.st_ino))
-    with pytest.raises(ReuseUnavailable, match="changed since"):
+    assert os.stat(tmp_path / "new.safetensors").st_ino == os.stat(source).st_ino
+    stale = Reused((source,), record.size, "0" * 16, file_id(source))
+    with pytest.raises(ReuseUnavailable, match="another file"):
         place_reused(stale, str(tmp_path / "other.safetensors"), {})
     assert not (tmp_path / "other.safetensors").exists()
+    # Not there any more under its checkpoint's name, but where the second source says (a
+    # multi-rank save's part folder before rank 0 commits: no manifest there yet).
+    moved = tmp_path / "part" / "model-00001-of-00001.safetensors"
+    moved.parent.mkdir()
+    os.rename(source, moved)
+    found = Reused((source, str(moved)), record.size, record.digest, file_id(str(moved)))
+    assert place_reused(found, str(tmp_path / "third.safetensors"), {}) == placed
+    os.remove(moved)
+    with pytest.raises(ReuseUnavailable, match="gone or changed"):
+        place_reused(found, str(tmp_path / "fourth.safetensors"), {})
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a second filesystem (/dev/shm)")
@@ -214,8 +224,7 @@ def test_place_reused_copies_across_filesystems(tmp_path):
         lc.save_checkpoint({"state_dict": {"w": torch.randn(4096)}}, os.path.join(other, "a.ckpt"))
         source = os.path.join(other, "a.ckpt", "model-00001-of-00001.safetensors")
         record = read_manifest(os.path.join(other, "a.ckpt")).files["model-00001-of-00001.safetensors"]
-        st = os.stat(source)
-        placed = place_reused(Reused(source, record.size, record.digest, (st.st_dev, st.st_ino)), str(tmp_path / "c"), {})
+        placed = place_reused(Reused((source,), record.size, record.digest, file_id(source)), str(tmp_path / "c"), {})
         assert placed.digest == record.digest
         assert (tmp_path / "c").read_bytes() == open(source, "rb").read()
     finally:
