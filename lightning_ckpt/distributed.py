@@ -22,7 +22,7 @@ import json
 import os
 import warnings
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -126,6 +126,7 @@ def plan_part(
     # for a replicated scalar such as an optimizer's step.
     owned: dict[bool, Found] = {False: [], True: []}
     pieces: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    whole_of: dict[bool, list[torch.Tensor]] = {False: [], True: []}  # the tensor each owned piece is cut from
     for item in local.items:  # in state-dict order: the same order on every rank
         index = int(item.index.fqn)
         value, component, path = found[index]
@@ -145,6 +146,7 @@ def plan_part(
         name = tensor_name(component, path) + ("" if whole else "@" + ",".join(map(str, offsets)))
         shared = len(holders) > 1
         owned[shared].append((planner.resolve_data(item), component, (path[0], name)))
+        whole_of[shared].append(value)
         pieces[shared].append({"id": index, "component": component, "offsets": offsets, "shape": list(chunk.sizes)})
     plans = [
         plan_tensors(
@@ -158,6 +160,17 @@ def plan_part(
         shards=plans[0].shards + plans[1].shards,
         components=tuple(dict.fromkeys(plans[0].components + plans[1].components)),
     )
+    # Pieces of DTensors and ShardedTensors: incremental saves follow the whole tensor's version.
+    whole_of_blob = {
+        (spec.component, spec.blob): value
+        for spec, value in zip(plan.tensors, whole_of[False] + whole_of[True])
+        if not is_stored_tensor(value)
+    }
+    if whole_of_blob:
+        plan = replace(plan, shards=tuple(
+            replace(s, blobs=tuple(replace(b, piece_of=whole_of_blob.get((b.component, b.name))) for b in s.blobs))
+            for s in plan.shards
+        ))
     written = pieces[False] + pieces[True]
     for piece, spec in zip(written, plan.tensors):
         piece["blob"] = spec.blob

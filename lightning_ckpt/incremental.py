@@ -75,13 +75,17 @@ class TensorState:
 
 def tensor_state(blob: Blob) -> TensorState | None:
     """The state of ``blob``'s source, or ``None`` when it cannot be tracked (always written)."""
-    source = blob.source
+    source, whole = blob.source, blob.piece_of
     if source is None or blob.name.endswith(".__span__"):
         return None  # a span is a fresh view: its version counter does not follow the tensors in it
     if type(source) not in (torch.Tensor, torch.nn.Parameter) or source.layout != torch.strided:
         return None
+    # A DTensor's in-place ops run on its local shard below autograd: only the DTensor's own
+    # counter moves. A ShardedTensor's shards have no such guarantee: always written.
+    if whole is not None and type(whole).__name__ != "DTensor":
+        return None
     try:
-        version = source._version
+        version = (source if whole is None else whole)._version
         storage = source.untyped_storage()
         return TensorState(
             weakref.ref(storage),

@@ -86,6 +86,9 @@ class Blob:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
+    # ``source`` is a piece of this tensor (a DTensor's or ShardedTensor's local shard), whose own
+    # version counter is what in-place changes bump (see ``incremental.tensor_state``).
+    piece_of: torch.Tensor | None = None
 
     __reduce__ = _reduce_by_fields
 
