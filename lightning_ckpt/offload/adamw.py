@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 
 from lightning_ckpt.offload.chunks import MASTER_DTYPE, HostArena, assign_owners, plan_chunks, restrict
 from lightning_ckpt.offload.hooks import ChunkWaiter, Discover, GradMover
+from lightning_ckpt.offload.shares import placed, shares_wanted
 from lightning_ckpt.offload.stepper import Chunk, Job, Stepper, Worker
 from lightning_ckpt.plan import parse_size
 
@@ -361,16 +362,26 @@ class ChunkedAdamW(Optimizer):
         shapes, fp32, viewing the host arena: copy them to keep a snapshot across steps).
 
         Sharded mode: a collective (every rank calls it, as Lightning's checkpointing does); the
-        owners broadcast their chunks' moments, so every rank returns the whole state.
+        owners broadcast their chunks' moments, so every rank returns the whole state. Inside
+        :func:`lightning_ckpt.offload.shares.own_shares` (a save every rank writes a part of) no
+        collective: each moment is a ``ShardedTensor`` held by its owner, viewing its arena.
         """
         self.wait()
         packed = super().state_dict()
         if self._group is None:
             return packed
         index = _torch_indices(self.param_groups)
+        shares = shares_wanted()
         for chunk in self._chunks:
             stateful = [i for i, p in enumerate(chunk.params) if "step" in self.state.get(p, {})]
             if not stateful:  # the same on every rank: step counts are kept everywhere
+                continue
+            # A 0-d parameter has no ShardedTensor form: its chunk is gathered (on every rank alike).
+            if shares and all(chunk.params[i].dim() > 0 for i in stateful):
+                for i in stateful:
+                    p, entry = chunk.params[i], packed["state"][index[id(chunk.params[i])]]
+                    for key, views in (("exp_avg", chunk.exp_avg), ("exp_avg_sq", chunk.exp_avg_sq)):
+                        entry[key] = placed(views[i] if chunk.owned else None, p.shape, chunk.owner)
                 continue
             n = chunk.spec.numel
             if chunk.owned:
