@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 
 from lightning_ckpt.offload.chunks import MASTER_DTYPE, HostArena, assign_owners, plan_chunks, restrict
 from lightning_ckpt.offload.hooks import ChunkWaiter, Discover, GradMover
-from lightning_ckpt.offload.shares import placed, shares_wanted
+from lightning_ckpt.offload.shares import owner_meshes, placed, shares_wanted
 from lightning_ckpt.offload.stepper import Chunk, Job, Stepper, Worker
 from lightning_ckpt.plan import parse_size
 
@@ -169,6 +169,7 @@ class ChunkedAdamW(Optimizer):
             self._group = dist.new_group(backend="gloo")
             rank = dist.get_rank()
             owners = assign_owners(layout, dist.get_world_size())
+            self._meshes = owner_meshes(dist.get_world_size())  # for saves where every rank writes
             layout = restrict(layout, {i for i, owner in enumerate(owners) if owner == rank})
         self.layout = layout
         self._arena = HostArena(layout, pin=self.device.type == "cuda")
@@ -364,7 +365,7 @@ class ChunkedAdamW(Optimizer):
         Sharded mode: a collective (every rank calls it, as Lightning's checkpointing does); the
         owners broadcast their chunks' moments, so every rank returns the whole state. Inside
         :func:`lightning_ckpt.offload.shares.own_shares` (a save every rank writes a part of) no
-        collective: each moment is a ``ShardedTensor`` held by its owner, viewing its arena.
+        collective: each moment is a ``DTensor`` held by its owner alone, viewing its arena.
         """
         self.wait()
         packed = super().state_dict()
@@ -376,12 +377,12 @@ class ChunkedAdamW(Optimizer):
             stateful = [i for i, p in enumerate(chunk.params) if "step" in self.state.get(p, {})]
             if not stateful:  # the same on every rank: step counts are kept everywhere
                 continue
-            # A 0-d parameter has no ShardedTensor form: its chunk is gathered (on every rank alike).
+            # 0-d parameters' chunks are gathered (on every rank alike): one-rank DTensors are not tried there.
             if shares and all(chunk.params[i].dim() > 0 for i in stateful):
                 for i in stateful:
                     p, entry = chunk.params[i], packed["state"][index[id(chunk.params[i])]]
                     for key, views in (("exp_avg", chunk.exp_avg), ("exp_avg_sq", chunk.exp_avg_sq)):
-                        entry[key] = placed(views[i] if chunk.owned else None, p.shape, chunk.owner)
+                        entry[key] = placed(views[i] if chunk.owned else None, p.shape, self._meshes[chunk.owner])
                 continue
             n = chunk.spec.numel
             if chunk.owned:

@@ -4,12 +4,13 @@ Under DDP a sharded ``ChunkedAdamW`` holds the moments of the chunks it owns onl
 ``state_dict()`` gathers the rest from their owners (a broadcast per chunk), so that
 ``torch.save`` of it is torch's full AdamW format. A multi-rank save (every rank writes its part,
 ``ShardedCheckpointIO.save_sharded``) needs no gather: inside :func:`own_shares`, ``state_dict()``
-returns each moment as a ``ShardedTensor`` of one shard placed on its owner rank (a view of the
-owner's arena; no local shard elsewhere). The multi-rank planner (``distributed.plan_part``) has a
-ShardedTensor's shards written by the rank that holds them, so each rank writes its own chunks;
-a load assembles whole tensors (torch's format again), on any number of ranks.
+returns each moment as a ``DTensor`` replicated over a mesh of its owner rank alone (a view of the
+owner's arena; an empty local tensor elsewhere). The multi-rank planner (``distributed.plan_part``)
+has a DTensor's pieces written by the ranks of its mesh, so each rank writes its own chunks; a
+load assembles whole tensors (torch's format again), on any number of ranks.
 
-No collective runs here. Called on the main thread, every rank alike.
+``owner_meshes`` is a collective (process groups are made), run once, where the optimizer is
+built; nothing else here is. Called on the main thread, every rank alike.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
 _wanted = threading.local()
 
@@ -44,14 +45,19 @@ def shares_wanted() -> bool:
     return getattr(_wanted, "on", False)
 
 
-def placed(local: torch.Tensor | None, shape: torch.Size, owner: int) -> ShardedTensor:
-    """A ``ShardedTensor`` of ``shape`` (fp32) held whole by global rank ``owner``: ``local`` is its
-    data on the owner, ``None`` elsewhere. Built from metadata every rank knows: no collective."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+def owner_meshes(world_size: int) -> list[DeviceMesh]:
+    """One mesh per global rank, holding that rank alone (gloo groups: the moments are host memory
+    whatever the training backend). A collective: every rank, in the same order."""
+    from torch.distributed.device_mesh import DeviceMesh
 
-    metadata = ShardMetadata([0] * len(shape), list(shape), f"rank:{owner}/cpu")
-    whole = ShardedTensorMetadata([metadata], torch.Size(shape), TensorProperties(dtype=torch.float32))
-    shards = [] if local is None else [Shard(local, metadata)]
-    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, whole)
+    return [DeviceMesh("cpu", [rank], backend_override=(("gloo", None),)) for rank in range(world_size)]
+
+
+def placed(local: torch.Tensor | None, shape: torch.Size, mesh: DeviceMesh) -> DTensor:
+    """An fp32 ``DTensor`` of ``shape`` held whole by the one rank of ``mesh``: ``local`` is its data
+    there (viewed, not copied), ``None`` elsewhere."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    data = torch.empty(0) if local is None else local
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(data, mesh, [Replicate()], run_check=False, shape=torch.Size(shape), stride=stride)

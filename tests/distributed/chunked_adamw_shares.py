@@ -68,6 +68,9 @@ def main(report: str) -> None:
     # state-dict index of each parameter -> the rank that owns (holds and writes) its moments
     index = {id(p): i for i, p in enumerate(trainer.lightning_module.parameters())}
     owner = {index[id(p)]: chunk.owner for chunk in optimizer._chunks for p in chunk.params}
+    # async: the bytes this rank's arena copied into its staging pool, against its own moments' bytes
+    owned_bytes = sum(8 * p.numel() for chunk in optimizer._chunks if chunk.owned for p in chunk.params)
+    staged = trainer.strategy.all_gather(torch.tensor([optimizer._arena.snapshot_bytes, owned_bytes]))
     (name,) = sorted(n for n in os.listdir(folder) if n.endswith(".ckpt"))
     path = os.path.join(folder, name)
     resumed_trainer, resumed = fit(True, 2 * EPOCH, ckpt_path=path)
@@ -95,6 +98,7 @@ def main(report: str) -> None:
                 "owner": {str(k): v for k, v in owner.items()},
                 "writers": writers,
                 "gathered_at_save": gathered_at_save,
+                "arena_staged_and_owned_bytes": staged.view(-1, 2).tolist(),
                 "saved_equals_full_state": same_as_full,
                 "resumed_equals_uninterrupted": torch.equal(flat(resumed), flat(uninterrupted)),
                 "ranks_agree": all(torch.equal(gathered[0], g) for g in gathered),

@@ -30,6 +30,9 @@ def test_every_rank_writes_its_own_share_and_the_checkpoint_loads_anywhere(tmp_p
     assert result["writers"] == {f"{k}/{m}": [owner] for k, owner in result["owner"].items() for m in ("exp_avg", "exp_avg_sq")}
     assert set(result["owner"].values()) == {0, 1}
     assert result["gathered_at_save"] == 0
+    # async: each rank's arena copied exactly its own moments into its staging pool (sync: nothing)
+    expected = [[owned if mode == "async" else 0, owned] for _, owned in result["arena_staged_and_owned_bytes"]]
+    assert result["arena_staged_and_owned_bytes"] == expected and all(owned > 0 for _, owned in expected)
     # what was written is torch's full AdamW state; it resumes on 2 ranks bit for bit, on 1 rank
     # alike with ChunkedAdamW and torch.optim.AdamW (gradients summed in another order than on 2)
     assert result["saved_equals_full_state"]
