@@ -175,6 +175,7 @@ class ChunkedAdamW(Optimizer):
         self._arena = HostArena(layout, pin=self.device.type == "cuda")
         self._chunks: list[Chunk] = []
         self._where: dict[torch.Tensor, tuple[Chunk, int]] = {}  # parameter -> (chunk, position)
+        aliased: list[weakref.ref[torch.Tensor]] = []  # parameters living in the arena
         for spec in layout.chunks:
             params = [packed[s.param][1] for s in spec.slots]
             buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=self.device)
@@ -195,9 +196,15 @@ class ChunkedAdamW(Optimizer):
             for i, p in enumerate(params):
                 self._where[p] = (chunk, i)
                 p.register_post_accumulate_grad_hook(GradMover(weakref.ref(self)))
+                if owned and self._group is None and _may_alias(p):
+                    self._arena.writable(spec)
+                    with torch.no_grad():
+                        chunk.master[i].copy_(p)
+                    p.data = chunk.master[i]  # the parameter is its master weights: no write-back
+                    aliased.append(weakref.ref(p))
         largest = max((s.numel for s in layout.chunks), default=0)
         self._worker = Worker(Stepper(self._arena, largest, self.device, self._group))
-        weakref.finalize(self, _shutdown, self._worker, self._arena)
+        weakref.finalize(self, _shutdown, self._worker, self._arena, aliased)
         self._hooked: set[int] = set()  # ids of modules given wait hooks
         self._awaited: set[torch.Tensor] = set()  # parameters a hooked module's forward waits for
         self._discovery = (
@@ -296,7 +303,7 @@ class ChunkedAdamW(Optimizer):
                         " build the module with `sparse=False`, or use torch.optim.SparseAdam for it."
                     )
                 self._into_view(chunk, i)
-                if chunk.owned and chunk.versions[i] != p._version:  # set or loaded from outside
+                if chunk.owned and chunk.versions[i] != p._version and not chunk.aliased(i):  # set from outside
                     self._arena.writable(chunk.spec)
                     chunk.master[i].copy_(p.detach())
                     chunk.versions[i] = p._version
@@ -448,6 +455,22 @@ class ChunkedAdamW(Optimizer):
         return self._arena.pinned_bytes
 
 
+def _may_alias(p: torch.Tensor) -> bool:
+    """Can ``p`` become a view of its fp32 master weights in the arena? An fp32 parameter in host
+    memory (the CPU standing in for the device) that is the whole of its own storage: one that
+    views a larger buffer (``ChunkedOffloadStrategy``'s host chunks, a flat parameter) is managed
+    by someone else and keeps its memory."""
+    nbytes = p.numel() * p.element_size()
+    return (
+        p.device.type == "cpu"
+        and p.dtype == MASTER_DTYPE
+        and p.is_contiguous()
+        and p.storage_offset() == 0
+        and p.untyped_storage().nbytes() == nbytes
+        and nbytes > 0
+    )
+
+
 def _torch_indices(groups: list[dict[str, Any]]) -> dict[int, int]:
     """id(parameter) -> its index in a state dict, numbered as ``torch.optim.Optimizer`` does."""
     index: dict[int, int] = {}
@@ -459,8 +482,13 @@ def _torch_indices(groups: list[dict[str, Any]]) -> dict[int, int]:
     return index
 
 
-def _shutdown(worker: Worker, arena: HostArena) -> None:
-    """The optimizer is gone: end the worker, then release the arena (its file descriptor)."""
+def _shutdown(worker: Worker, arena: HostArena, aliased: list[weakref.ref[torch.Tensor]]) -> None:
+    """The optimizer is gone: end the worker, give the parameters that lived in the arena memory
+    of their own (the arena is unmapped next), then release the arena (its file descriptor)."""
     worker.stop()
     worker.join()
+    for ref in aliased:
+        p = ref()
+        if p is not None and arena.holds(p):
+            p.data = p.detach().clone()
     arena.close()

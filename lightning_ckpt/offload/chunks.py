@@ -171,6 +171,11 @@ class HostArena:
         if self._claims:  # unlocked peek: claims are added on the training thread, between steps
             self._copy_claims(spec.index, on_write=True)
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Does ``tensor``'s data lie in this arena?"""
+        start = self._bytes.data_ptr()
+        return self._bytes.numel() > 0 and start <= tensor.data_ptr() < start + self.nbytes
+
     # -- DeferredSource: the staging pool leaves the arena's bytes of a save to it -------------
 
     def claim(self, source: torch.Tensor, destination: torch.Tensor) -> bool:
@@ -181,6 +186,10 @@ class HostArena:
         nbytes = source.numel() * source.element_size()
         i = bisect.bisect_right(self._starts, offset) - 1
         if offset < 0 or offset + nbytes > self.nbytes or i < 0 or offset + nbytes > self._specs[i].host_end:
+            return False
+        if offset < self._specs[i].state_offsets()[1]:
+            # Master weights (the parameters themselves where they alias them): written by more
+            # than ``writable``'s callers (a user's ``load_state_dict`` into the model), so copied now.
             return False
         with self._lock:
             self._claims.setdefault(self._specs[i].index, []).append((source, destination))

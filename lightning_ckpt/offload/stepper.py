@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 
 from lightning_ckpt.offload.chunks import MASTER_DTYPE, ChunkSpec, HostArena
 
@@ -41,6 +42,11 @@ class Chunk:
 
     def __post_init__(self) -> None:
         self.done.set()
+
+    def aliased(self, i: int) -> bool:
+        """Is parameter ``i`` a view of its master weights (CPU, fp32: the kernel updates it in place)?
+        Checked each time: something may have pointed the parameter elsewhere since (``p.data = ...``)."""
+        return self.owned and self.params[i].data_ptr() == self.master[i].data_ptr()
 
 
 @dataclass(eq=False)
@@ -138,7 +144,12 @@ class Stepper:
                 c.cuda_done = self.last_write = event
             else:
                 for i in job.members:
-                    c.params[i].copy_(source[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]))
+                    if source is c.master_flat and c.aliased(i):
+                        # Updated in place by the kernel: only its version counter still has to say
+                        # so (state-dict entries share it; saves tell unchanged tensors by it).
+                        increment_version(c.params[i])
+                    else:
+                        c.params[i].copy_(source[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]))
         for i in job.members:
             c.versions[i] = c.params[i]._version
 

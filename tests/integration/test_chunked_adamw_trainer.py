@@ -139,12 +139,14 @@ class StateAtSave(Callback):
     def __init__(self, plugin: lc.ShardedCheckpointIO) -> None:
         self.plugin = plugin
         self.saved: dict[int, dict] = {}
+        self.weights: dict[int, dict] = {}
         self.durable: list[str] = []
         self.steps_while_writing = 0
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         state = checkpoint["optimizer_states"][0]["state"]
         self.saved[trainer.global_step] = {k: {n: t.clone() for n, t in e.items()} for k, e in state.items()}
+        self.weights[trainer.global_step] = {k: t.clone() for k, t in checkpoint["state_dict"].items()}
 
     def on_train_batch_end(self, trainer, *args) -> None:
         self.durable += [r.path for r in self.plugin.poll()]
@@ -172,6 +174,12 @@ def test_async_checkpoint_holds_the_state_at_the_save_while_later_steps_run(tmp_
         for name, value in entry.items():
             assert torch.equal(loaded[k][name], value), (k, name)
             assert name == "step" or not torch.equal(record.saved[6][k][name], value)  # training moved on
+    # The weights too (on the CPU the parameters are the arena's master weights, updated in place):
+    # each checkpoint holds its own step's, not bytes staged for an earlier save.
+    for step in (3, 6):
+        weights = lc.load_checkpoint(tmp_path / f"epoch=0-step={step}.ckpt")["state_dict"]
+        assert all(torch.equal(weights[k], v) for k, v in record.weights[step].items()), step
+    assert not torch.equal(record.weights[3]["embed.weight"], record.weights[6]["embed.weight"])
     moment_bytes = sum(t.numel() * t.element_size() for e in record.saved[3].values() for n, t in e.items() if n != "step")
     arena = trainer.optimizers[0]._arena
     assert arena.snapshot_bytes == 2 * moment_bytes  # steps 3 and 6, each byte once
