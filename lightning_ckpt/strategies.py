@@ -20,7 +20,8 @@ consults it (it recognises only DCP folders and single files). Two ways in, one 
 
 import os
 from collections.abc import Callable
-from typing import Any, ContextManager, Optional
+from contextlib import AbstractContextManager
+from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.types import _PATH
@@ -67,7 +68,7 @@ def writes_parts(strategy: Strategy, filepath: _PATH) -> bool:
     return not isinstance(strategy, DDPStrategy) or spreads_writes(io, strategy.world_size, strategy.num_nodes, filepath)
 
 
-def checkpoint_state(strategy: Strategy, filepath: _PATH) -> ContextManager[None]:
+def checkpoint_state(strategy: Strategy, filepath: _PATH) -> AbstractContextManager[None]:
     """Enter around building a checkpoint for :func:`save_sharded`: where every rank writes its part,
     sharded optimizers (``ChunkedAdamW``) give each rank's own share of their state, ungathered."""
     return own_shares(writes_parts(strategy, filepath))
