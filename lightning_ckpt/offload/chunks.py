@@ -167,6 +167,8 @@ class HostArena:
         )
 
     def writable(self, spec: ChunkSpec) -> None:
+        """Call before writing ``spec``'s chunk (any thread): it is faulted in, and a save's claimed
+        copies of it have been made."""
         self._pool.wait_writable(spec.host_end)  # the pool's own wait for its background thread
         if self._claims:  # unlocked peek: claims are added on the training thread, between steps
             self._copy_claims(spec.index, on_write=True)
