@@ -69,7 +69,7 @@ from lightning_ckpt.memory import (
 from lightning_ckpt.monitor import SaveMonitor, SaveRecord, print_summary, save_line
 from lightning_ckpt.remote import RemoteOptions, is_remote, url_key
 from lightning_ckpt.remote import listing as remote_listing
-from lightning_ckpt.strategies import enable_sharded_resume, save_sharded, sharded_io
+from lightning_ckpt.strategies import checkpoint_state, enable_sharded_resume, save_sharded, sharded_io
 from lightning_ckpt.writer import link_checkpoint
 
 # Checkpoint paths known to exist, per folder (see the module docstring); shared by instances
@@ -684,7 +684,8 @@ def _write(trainer: pl.Trainer, filepath: str, weights_only: bool) -> None:
     """``Trainer.save_checkpoint`` on any number of ranks, without its per-file barrier (see the
     module docstring; in one process it is a no-op)."""
     with trainer.profiler.profile("save_checkpoint"):
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only)
+        with checkpoint_state(trainer.strategy, filepath):  # every rank writes: its own optimizer share
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only)
         # Sharded state (FSDP2 / tensor parallel) and DDP on one node: every rank writes its part;
         # the full state FSDP / ModelParallelStrategy gathered: rank 0 writes it (see save_sharded).
         if not save_sharded(trainer.strategy, checkpoint, filepath):
