@@ -474,11 +474,10 @@ class StagingPool:
             self._preparer.close()
             self._preparer = None
         if self._map is not None:
+            # Dropped, never ``close()``d: tensors made with ``torch.frombuffer`` hold a reference
+            # to the map but no buffer export, so closing it would unmap memory they still view
+            # (a state dict kept after its optimizer is gone). The last reference unmaps it.
             self._view = None
-            try:
-                self._map.close()
-            except BufferError:  # a tensor view is still alive somewhere; freed with it
-                pass
             self._map = None
         if self.fd is not None:
             os.close(self.fd)

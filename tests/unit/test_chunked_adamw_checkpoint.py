@@ -3,6 +3,9 @@ once, and as it was at the save even when the next step writes the chunk first (
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import safetensors.torch
 import torch
 
@@ -92,3 +95,27 @@ def test_tensors_outside_the_arena_are_not_claimed():
     elsewhere = torch.zeros(8)
     assert not arena.claim(elsewhere, torch.empty(8))
     assert arena.settled()
+
+
+_OUTLIVE = """
+import gc, torch
+from lightning_ckpt import ChunkedAdamW
+net = torch.nn.Linear(64, 64)
+opt = ChunkedAdamW(net.parameters(), lr=1e-2)
+net(torch.randn(4, 64)).sum().backward()
+opt.step()
+state = opt.state_dict()
+expected = state["state"][0]["exp_avg"].clone()
+del opt
+gc.collect()
+filler = torch.randn(4_000_000)  # reuses freed memory, if the arena's was given back
+assert torch.equal(state["state"][0]["exp_avg"], expected)
+print("ok")
+"""
+
+
+def test_state_dict_outlives_the_optimizer() -> None:
+    """A state dict kept after its optimizer is collected still reads the arena's bytes: closing
+    the arena must not unmap memory that tensors still view (it used to segfault)."""
+    done = subprocess.run([sys.executable, "-c", _OUTLIVE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
