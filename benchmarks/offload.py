@@ -13,6 +13,14 @@ streamed by ``ChunkedOffloadStrategy``'s machinery (hooks, slot copies, waits; o
 layer, a device budget of ``--budget-fraction`` of the parameter bytes) against the same model
 fully resident: the strategy's overhead per step.
 
+Save rows (``--save``; ``--device cuda`` too): an async ``ShardedCheckpointIO`` save of the
+linear stack of ``--layers`` x ``--width`` (a plain torch loop, no Trainer) after a training step,
+with ``torch.optim.AdamW`` (fused) and with ``ChunkedAdamW``: the stall (the ``save_checkpoint``
+call, pool and writer warm), the durable time, the bytes the call copied into the staging pool on
+the training thread, the device-to-host bytes of optimizer state, and the bytes ``ChunkedAdamW``'s
+arena copied into the pool itself (in the background, or copy-on-write by the next steps, which
+run while the save is written).
+
 GPU rows (``--device cuda``): whole training steps (forward and backward under bf16 autocast,
 optimizer step) of a stack of ``--layers`` linear layers of ``--width`` on ``--batch`` rows, for
 AdamW on the GPU (fused), ``ChunkedAdamW``, FSDP2 ``fully_shard(offload_policy=CPUOffloadPolicy())``
@@ -57,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--strategy", action="store_true", help="CPU rows of ChunkedOffloadStrategy's overhead per training step")
     parser.add_argument("--budget-fraction", type=float, default=0.34, help="--strategy: device budget / parameter bytes")
     parser.add_argument("--prefetch", type=int, default=2, help="--strategy: units fetched ahead")
+    parser.add_argument("--save", action="store_true", help="rows of an async checkpoint save with ChunkedAdamW vs AdamW")
     add_json_argument(parser)
     return parser
 
@@ -296,9 +305,89 @@ def run_strategy(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def run_save(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The save rows: one async save after a step, ``AdamW`` (fused) against ``ChunkedAdamW``."""
+    import tempfile
+
+    import torch
+
+    from lightning_ckpt import ChunkedAdamW, ShardedCheckpointIO
+
+    device = torch.device(args.device)
+    makers = {
+        "AdamW fused": lambda ps: torch.optim.AdamW(ps, fused=True),
+        "ChunkedAdamW": lambda ps: ChunkedAdamW(ps, chunk_size=args.chunk_size),
+    }
+    rows = []
+    for name, make in makers.items():
+        measured: dict[str, list[float]] = {"stall": [], "durable": [], "copied": [], "d2h": [], "arena": [], "on_write": []}
+        for _ in range(args.repeats):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)]).to(device)
+            optimizer = make(list(model.parameters()))
+            x = torch.randn(args.batch, args.width, device=device)
+
+            def step() -> None:
+                model(x).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+
+            def checkpoint() -> dict[str, Any]:
+                return {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()], "global_step": 0}
+
+            plugin = ShardedCheckpointIO(async_save=True)
+            with tempfile.TemporaryDirectory(dir=os.getcwd()) as folder:
+                step()
+                plugin.save_checkpoint(checkpoint(), os.path.join(folder, "warm.ckpt"))  # pool and writer warm
+                plugin.wait()
+                step()
+                state = checkpoint()
+                arena = getattr(optimizer, "_arena", None)
+                copied, arena_bytes, on_write = plugin._pool.host_bytes_copied, getattr(arena, "snapshot_bytes", 0), getattr(arena, "copied_on_write", 0)
+                start = time.perf_counter()
+                plugin.save_checkpoint(state, os.path.join(folder, "measured.ckpt"))
+                measured["stall"].append(time.perf_counter() - start)
+                measured["copied"].append(plugin._pool.host_bytes_copied - copied)
+                measured["d2h"].append(sum(
+                    t.numel() * t.element_size() for entry in state["optimizer_states"][0]["state"].values()
+                    for t in entry.values() if isinstance(t, torch.Tensor) and t.device.type != "cpu"
+                ))
+                del state
+                for _ in range(args.steps):  # training goes on while the save is written
+                    step()
+                plugin.wait()
+                measured["durable"].append(plugin.last_save.seconds if plugin.last_save else float("nan"))
+                measured["arena"].append(getattr(arena, "snapshot_bytes", 0) - arena_bytes)
+                measured["on_write"].append(getattr(arena, "copied_on_write", 0) - on_write)
+                plugin.teardown()
+            del optimizer, model
+        rows.append({
+            "contender": name,
+            "stall_seconds": measured["stall"],
+            "median_stall_seconds": median(measured["stall"]),
+            "median_durable_seconds": median(measured["durable"]),
+            "staged_in_call_bytes": median(measured["copied"]),
+            "optimizer_d2h_bytes": median(measured["d2h"]),
+            "arena_copied_bytes": median(measured["arena"]),
+            "copied_on_write_bytes": median(measured["on_write"]),
+        })
+    return rows
+
+
 def render_table(rows: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
+    if any("median_stall_seconds" in row for row in rows):
+        table = Table(title="async save after a step (medians)")
+        columns = ("contender", "stall s", "durable s", "staged in call MB", "optimizer D2H MB", "arena copied MB", "copy-on-write MB")
+        for column in columns:
+            table.add_column(column, justify="left" if column == "contender" else "right")
+        for row in rows:
+            table.add_row(
+                row["contender"], fmt(row["median_stall_seconds"], 4), fmt(row["median_durable_seconds"], 3),
+                *(fmt(row[k] / 2**20, 2) for k in ("staged_in_call_bytes", "optimizer_d2h_bytes", "arena_copied_bytes", "copied_on_write_bytes")),
+            )
+        return table
     if any("vs_resident" in row or "error" in row for row in rows):
         table = Table(title="training step, parameters streamed vs resident (medians)")
         for column in ("contender", "step s", "x resident", "budget MB", "peak device MB", "H2D MB", "D2H MB", "error"):
@@ -337,7 +426,9 @@ def main(argv: list[str] | None = None) -> int:
         print("bench --mode offload --device cuda needs a CUDA device; run without --device for the CPU rows.", file=sys.stderr)
         return 2
     started = time.time()
-    if args.device == "cuda":
+    if args.save:
+        rows = run_save(args)
+    elif args.device == "cuda":
         rows = run_gpu(args)
     else:
         rows = run_strategy(args) if args.strategy else run(args)

@@ -69,7 +69,7 @@ from lightning_ckpt.memory import (
 from lightning_ckpt.monitor import SaveMonitor, SaveRecord, print_summary, save_line
 from lightning_ckpt.remote import RemoteOptions, is_remote, url_key
 from lightning_ckpt.remote import listing as remote_listing
-from lightning_ckpt.strategies import enable_sharded_resume, save_sharded, sharded_io
+from lightning_ckpt.strategies import checkpoint_state, enable_sharded_resume, save_sharded, sharded_io
 from lightning_ckpt.writer import link_checkpoint
 
 # Checkpoint paths known to exist, per folder (see the module docstring); shared by instances
@@ -553,8 +553,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             step_index=len(self._monitor.step_times),
             call_s=stall,
             release_s=release.seconds,
-            nbytes=nbytes,
-            reused_bytes=reused,  # of ``nbytes``, reused from an earlier checkpoint (incremental saves)
+            nbytes=nbytes, reused_bytes=reused,  # of which reused from an earlier checkpoint (incremental)
             durable_s=durable,
             host_rss_before=before.host_rss,
             host_rss_after=after.host_rss,
@@ -686,7 +685,8 @@ def _write(trainer: pl.Trainer, filepath: str, weights_only: bool) -> None:
     """``Trainer.save_checkpoint`` on any number of ranks, without its per-file barrier (see the
     module docstring; in one process it is a no-op)."""
     with trainer.profiler.profile("save_checkpoint"):
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only)
+        with checkpoint_state(trainer.strategy, filepath):  # every rank writes: its own optimizer share
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only)
         # Sharded state (FSDP2 / tensor parallel) and DDP on one node: every rank writes its part;
         # the full state FSDP / ModelParallelStrategy gathered: rank 0 writes it (see save_sharded).
         if not save_sharded(trainer.strategy, checkpoint, filepath):

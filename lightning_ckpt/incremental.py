@@ -13,9 +13,13 @@ comes from the same tensor state as then:
   (optimizer steps, ``mul_`` under ``no_grad``, ``copy_``, ``load_state_dict``), on the tensor and
   on every view sharing its storage.
 
-``requires_grad=False`` is never taken as proof. What the counter cannot see are writes that
-bypass PyTorch's autograd bookkeeping (through ``tensor.data``, ``numpy()``, DLPack or a custom
-kernel's raw pointer): code that changes tensors that way saves with ``incremental=False``.
+``requires_grad=False`` is never taken as proof. Fused optimizer kernels (``fused=True``) update
+parameters and state without bumping their counters (torch 2.13): a post-step hook on every
+optimizer bumps them (``track_optimizer_steps``). What the counter still cannot see are writes
+that bypass PyTorch's autograd bookkeeping outside an optimizer step (through ``tensor.data``,
+``numpy()``, DLPack, a custom kernel's raw pointer, an optimizer that is no
+``torch.optim.Optimizer``): code that changes saved tensors that way saves with
+``incremental=False``.
 Blobs without a trackable state (views spanning several tensors, inference tensors) are always
 written.
 
@@ -40,6 +44,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lightning_ckpt import manifest as fmt
 from lightning_ckpt.plan import Blob, Plan, Shard
@@ -60,7 +66,7 @@ class TensorState:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
-    version: int
+    version: int | tuple[int, int]  # a DTensor piece's: (the DTensor's, its local shard's)
 
     def same(self, other: TensorState) -> bool:
         """Do both states provably describe the same bytes? (The storage must still be alive.)"""
@@ -81,11 +87,13 @@ def tensor_state(blob: Blob) -> TensorState | None:
     if type(source) not in (torch.Tensor, torch.nn.Parameter) or source.layout != torch.strided:
         return None
     # A DTensor's in-place ops run on its local shard below autograd: only the DTensor's own
-    # counter moves. A ShardedTensor's shards have no such guarantee: always written.
-    if whole is not None and type(whole).__name__ != "DTensor":
+    # counter moves (shared with its ``detach()``-ed state-dict copies). A wrapper made afresh
+    # for the save (``DTensor.from_local``) has a counter of its own that nothing ever bumped
+    # (version 0): no proof. A ShardedTensor's shards have no such counter: always written.
+    if whole is not None and (type(whole).__name__ != "DTensor" or whole._version == 0):
         return None
     try:
-        version = (source if whole is None else whole)._version
+        version = source._version if whole is None else (whole._version, source._version)
         storage = source.untyped_storage()
         return TensorState(
             weakref.ref(storage),
@@ -330,6 +338,30 @@ def _copy_range(src: Any, dst: Any) -> None:
 
 
 _NO_RANGE_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+def track_optimizer_steps() -> None:
+    """Register ``_after_optimizer_step`` (once per process, never removed: see
+    ``saver._track_optimizers``). Called by every plugin with incremental saves on."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+_step_hook: Any = None
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Every optimizer's post-step hook: bump the version counter of each parameter it stepped
+    (one with a gradient) and of each tensor of its state. Fused kernels (``fused=True`` in
+    torch's optimizers, ``ChunkedAdamW``'s, other libraries' raw-pointer kernels) change them in
+    place without bumping it, and the change rule reads nothing else. A bump the step made itself
+    already changes nothing: the rule only asks whether the counter moved."""
+    stepped = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    state = [v for p in stepped for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    tensors = [t for t in stepped + state if not t.is_inference()]
+    if tensors:
+        increment_version(tensors)
 
 
 def frozen_keys(module: torch.nn.Module, normalize: Callable[[str], str] = lambda k: k) -> frozenset[str]:

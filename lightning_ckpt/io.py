@@ -42,7 +42,7 @@ from lightning_ckpt.functional import (  # re-exported: ``lightning_ckpt.io.X`` 
     verify_checkpoint,
 )
 from lightning_ckpt.compile import normalize_key
-from lightning_ckpt.incremental import Tracker, frozen_keys, stable_predicate
+from lightning_ckpt.incremental import Tracker, frozen_keys, stable_predicate, track_optimizer_steps
 from lightning_ckpt.plan import Stable, parse_size
 from lightning_ckpt.saver import AsyncSaver, Outcomes, SyncSaver
 from lightning_ckpt.saver import Pending as _Pending  # tests stand in for a pending save with one
@@ -264,6 +264,8 @@ class ShardedCheckpointIO(CheckpointIO):
         self._writer = ShardWriter(config["chunk_bytes"], config["direct_io"])
         # One tracker per plugin and process: a new one (a new run, a resumed one) reuses nothing.
         self._tracker = Tracker() if self.incremental else None
+        if self.incremental:
+            track_optimizer_steps()
         self._sync = SyncSaver(self._writer, self.remote, self._outcomes, self._tracker)
         worker_config = {
             "chunk_bytes": self._writer.chunk_bytes,

@@ -253,7 +253,8 @@ class AsyncSaver:
             self.stage_in_chunks(prepared, to_stage, path, image_layout, headers, cap, started, reuse, ticket)
             return
         deferrable = _changed_by_optimizers_only() if self.overlap else lambda _: False
-        copies = self.pool.stage(to_stage, image_layout, headers, deferrable)
+        # Host state whose owner copies it itself (ChunkedAdamW's arena) is left to it: not copied here.
+        copies = self.pool.stage(to_stage, image_layout, headers, deferrable, defer_host=True)
         self.staged = None if fingerprint is None else (fingerprint, image_layout.images)
 
         def submit() -> None:

@@ -17,6 +17,11 @@ that chunk only. Device copies run ``non_blocking`` on a side stream, and the tr
 changes (parameters of an optimizer, optimizer state) are handed over just before the next step,
 so the copy overlaps the next forward and backward; everything else (buffers such as BatchNorm's
 running statistics, which the forward updates) is copied first and waited for at once.
+
+Host memory whose owner changes it only at known points (``ChunkedAdamW``'s arena: its optimizer
+state is already staged host memory) can be registered as a :class:`DeferredSource`: an async
+save then does not copy it on the caller's thread; the owner copies it into the pool itself, in
+the background or just before it next writes it (copy-on-write), see :class:`DeferredCopies`.
 Nothing here imports Lightning.
 """
 
@@ -27,10 +32,12 @@ import mmap
 import os
 import tempfile
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -213,6 +220,75 @@ class Copies:
         return sum(before.elapsed_time(after) for before, after in self._waits) / 1e3
 
 
+class DeferredSource(Protocol):
+    """Host memory that copies itself into the pool (see the module docstring).
+
+    ``claim`` runs on the staging caller's thread; ``flush`` on whichever thread waits for the
+    save's copies (the hand-off thread, or the caller blocking); the owner's own writer thread
+    copies a claimed region just before it changes it. Invariant: a claimed region's bytes reach
+    ``destination`` as they were at ``claim``, before the owner writes that region again.
+    """
+
+    def claim(self, source: torch.Tensor, destination: torch.Tensor) -> bool:
+        """Copy ``source`` (contiguous host tensor) into ``destination`` later; ``False``: not
+        this source's memory, copy it now."""
+        ...
+
+    def settled(self) -> bool:
+        """Every claimed copy has been made."""
+        ...
+
+    def flush(self) -> None:
+        """Make every claimed copy not made yet, now, in the calling thread."""
+        ...
+
+
+_deferred_sources: weakref.WeakSet[DeferredSource] = weakref.WeakSet()  # type: ignore[type-var]
+
+
+def register_deferred_source(source: DeferredSource) -> None:
+    """Let async saves leave ``source``'s memory to ``source`` (held weakly)."""
+    _deferred_sources.add(source)
+
+
+def _claim(blob_source: torch.Tensor, destination: torch.Tensor) -> DeferredSource | None:
+    if not blob_source.is_contiguous():
+        return None
+    for source in list(_deferred_sources):
+        if source.claim(blob_source, destination):
+            return source
+    return None
+
+
+class DeferredCopies(Copies):
+    """The copies of one save whose host bytes are (partly) left to ``DeferredSource`` owners: lands
+    once the device copies (``device``, if any) have and every owner has made its copies. ``wait``
+    makes the owners' remaining copies in the waiting thread (the hand-off thread: in the
+    background). The training stream waits only for the device copies, as with :class:`Copies`."""
+
+    def __init__(self, sources: list[DeferredSource], device: Copies | None) -> None:
+        # Not Copies.__init__: the device side, if any, is a Copies of its own.
+        self._sources = sources
+        self._device_copies = device
+
+    def hand_over(self) -> None:
+        if self._device_copies is not None:
+            self._device_copies.hand_over()
+
+    def landed(self) -> bool:
+        device = self._device_copies
+        return (device is None or device.landed()) and all(s.settled() for s in self._sources)
+
+    def wait(self) -> None:
+        for source in self._sources:
+            source.flush()
+        if self._device_copies is not None:
+            self._device_copies.wait()
+
+    def waited_seconds(self) -> float | None:
+        return 0.0 if self._device_copies is None else self._device_copies.waited_seconds()
+
+
 class StagingPool:
     """A reusable shared-memory buffer holding the file images of one checkpoint.
 
@@ -233,6 +309,8 @@ class StagingPool:
         self._preparer: _Preparer | None = None
         self._stream: torch.cuda.Stream | None = None
         self._queued = False  # device copies queued since the last ``copies()``
+        self._claimed: list[DeferredSource] = []  # owners of host bytes left to them by ``stage``
+        self.host_bytes_copied = 0  # host bytes ``stage``/``stage_shard`` copied in the caller, ever
 
     def reserve(self, nbytes: int, pin: bool = False) -> None:
         """Make the pool at least ``nbytes`` large (a new buffer only when it must grow) and start
@@ -279,19 +357,22 @@ class StagingPool:
         image_layout: ImageLayout,
         headers: dict[str, tuple[bytes, dict[str, fmt.HeaderEntry]]],
         deferrable: Callable[[Blob], bool] = lambda _: False,
+        defer_host: bool = False,
     ) -> Copies | None:
         """Copy every blob of ``plan`` into the pool as laid out by ``layout(plan)`` (grows to fit).
 
         Device blobs for which ``deferrable(blob)`` holds are queued last and left for the caller
         to hand over (see :class:`Copies`); the others are queued first, and the training stream
-        waits for them at once. Returns ``None`` when no device copy was queued (the pool holds
-        every byte).
+        waits for them at once. ``defer_host``: host blobs a registered :class:`DeferredSource`
+        claims are left to it (a :class:`DeferredCopies` comes back). Returns ``None`` when no
+        copy is outstanding (the pool holds every byte).
         """
+        self._claimed = []
         self.reserve(max(image_layout.nbytes, ALIGN), pin=bool(plan.cuda_devices()))
         later: list[tuple[Blob, int]] = []
         for shard in plan.shards:
             offset = image_layout.images[shard.filename][0]
-            later += self.stage_shard(shard, headers[shard.filename], offset, deferrable)
+            later += self.stage_shard(shard, headers[shard.filename], offset, deferrable, defer_host)
         early_wait = None
         if later and self._queued:  # buffers and the like first: the forward may update them
             assert self._stream is not None
@@ -303,6 +384,9 @@ class StagingPool:
         copies = self.copies(early_wait)
         if copies is not None and not later:
             copies.hand_over()  # nothing to defer: the training stream waits for the copies now
+        if self._claimed:
+            claimed, self._claimed = self._claimed, []
+            return DeferredCopies(claimed, copies)
         return copies
 
     def stage_shard(
@@ -311,9 +395,11 @@ class StagingPool:
         header: tuple[bytes, dict[str, fmt.HeaderEntry]],
         offset: int,
         deferrable: Callable[[Blob], bool] = lambda _: False,
+        defer_host: bool = False,
     ) -> list[tuple[Blob, int]]:
-        """Copy one shard's file image to ``offset``: host bytes at once, device bytes queued (see
-        ``copies``), except deferrable device blobs, returned as (blob, pool offset) to queue later."""
+        """Copy one shard's file image to ``offset``: host bytes at once (``defer_host``: but those
+        a ``DeferredSource`` claims), device bytes queued (see ``copies``), except deferrable device
+        blobs, returned as (blob, pool offset) to queue later."""
         view = self._view
         assert view is not None
         header_bytes, entries = header
@@ -327,8 +413,14 @@ class StagingPool:
             assert blob.source is not None
             start = data + entries[blob.name].begin
             if blob.source.device.type != "cuda":
-                self.wait_writable(start + blob.nbytes)
-                view[start : start + blob.nbytes].view(blob.source.dtype).view(blob.source.shape).copy_(blob.source.detach())
+                self.wait_writable(start + blob.nbytes)  # the owner of a claimed source writes it too
+                destination = view[start : start + blob.nbytes].view(blob.source.dtype).view(blob.source.shape)
+                owner = _claim(blob.source.detach(), destination) if defer_host else None
+                if owner is None:
+                    destination.copy_(blob.source.detach())
+                    self.host_bytes_copied += blob.nbytes
+                elif owner not in self._claimed:
+                    self._claimed.append(owner)
             elif deferrable(blob):
                 later.append((blob, start))
             else:
@@ -382,11 +474,10 @@ class StagingPool:
             self._preparer.close()
             self._preparer = None
         if self._map is not None:
+            # Dropped, never ``close()``d: tensors made with ``torch.frombuffer`` hold a reference
+            # to the map but no buffer export, so closing it would unmap memory they still view
+            # (a state dict kept after its optimizer is gone). The last reference unmaps it.
             self._view = None
-            try:
-                self._map.close()
-            except BufferError:  # a tensor view is still alive somewhere; freed with it
-                pass
             self._map = None
         if self.fd is not None:
             os.close(self.fd)

@@ -20,6 +20,7 @@ consults it (it recognises only DCP folders and single files). Two ways in, one 
 
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Optional
 
 import torch
@@ -30,6 +31,7 @@ from typing_extensions import override
 
 from lightning_ckpt import manifest as fmt
 from lightning_ckpt.errors import CheckpointError
+from lightning_ckpt.offload.shares import own_shares
 from lightning_ckpt.remote import is_remote
 
 
@@ -58,6 +60,20 @@ def spreads_writes(io: Any, world_size: int, num_nodes: int, path: Optional[_PAT
     return True
 
 
+def writes_parts(strategy: Strategy, filepath: _PATH) -> bool:
+    """Will :func:`save_sharded` of a checkpoint to ``filepath`` have every rank write its part?"""
+    io = sharded_io(strategy)
+    if io is None:
+        return False
+    return not isinstance(strategy, DDPStrategy) or spreads_writes(io, strategy.world_size, strategy.num_nodes, filepath)
+
+
+def checkpoint_state(strategy: Strategy, filepath: _PATH) -> AbstractContextManager[None]:
+    """Enter around building a checkpoint for :func:`save_sharded`: where every rank writes its part,
+    sharded optimizers (``ChunkedAdamW``) give each rank's own share of their state, ungathered."""
+    return own_shares(writes_parts(strategy, filepath))
+
+
 def save_sharded(strategy: Strategy, checkpoint: dict[str, Any], filepath: _PATH) -> bool:
     """Save ``checkpoint`` from every rank if the strategy allows it (see :func:`sharded_io`), or
     from rank 0 alone if it gathered the full state for rank 0 to write; ``False``: not saved, the
@@ -72,8 +88,8 @@ def save_sharded(strategy: Strategy, checkpoint: dict[str, Any], filepath: _PATH
         if strategy.is_global_zero:
             io.save_checkpoint(checkpoint, filepath)
         return True
-    if isinstance(strategy, DDPStrategy) and not spreads_writes(io, strategy.world_size, strategy.num_nodes, filepath):
-        return False  # a URL without a local tier: rank 0 uploads alone
+    if not writes_parts(strategy, filepath):
+        return False  # DDP to a URL without a local tier: rank 0 uploads alone
     io.save_sharded(checkpoint, filepath, strategy.global_rank, strategy.world_size, strategy.broadcast)
     return True
 

@@ -22,17 +22,17 @@ A failure in the worker is raised at the next wait (the next forward or ``step()
 state is no longer consistent (earlier chunks of that step were applied).
 """
 
-import queue
-import threading
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-from lightning_ckpt.offload.chunks import MASTER_DTYPE, ChunkSpec, HostArena, assign_owners, plan_chunks, restrict
+from lightning_ckpt.offload.chunks import MASTER_DTYPE, HostArena, assign_owners, plan_chunks, restrict
+from lightning_ckpt.offload.hooks import ChunkWaiter, Discover, GradMover
+from lightning_ckpt.offload.shares import owner_meshes, placed, shares_wanted
+from lightning_ckpt.offload.stepper import Chunk, Job, Stepper, Worker
 from lightning_ckpt.plan import parse_size
 
 # Flags of torch.optim.AdamW this optimizer does not implement; the value it has instead.
@@ -45,165 +45,6 @@ _FIXED = {**_UNSUPPORTED, "foreach": None, "fused": True, "decoupled_weight_deca
 
 class ChunkedAdamWError(RuntimeError):
     """The worker thread failed to step a chunk; the optimizer cannot continue."""
-
-
-@dataclass(eq=False)
-class _Chunk:
-    """Runtime side of a :class:`ChunkSpec`. ``done`` is set while no step of the chunk is queued
-    or running: only then may the main thread touch its state, gradients or parameters."""
-
-    spec: ChunkSpec
-    params: list[torch.Tensor]
-    grad_buffer: torch.Tensor  # flat, on the parameters' device, in their dtype
-    grads: list[torch.Tensor]  # views of grad_buffer with the parameters' shapes
-    master_flat: torch.Tensor  # the chunk's fp32 master weights in the arena (empty: not owned)
-    master: list[torch.Tensor]  # views of master_flat / the moments with the parameters' shapes
-    exp_avg: list[torch.Tensor]
-    exp_avg_sq: list[torch.Tensor]
-    versions: list[int | None]  # each parameter's ``_version`` when master last matched it
-    owner: int = 0  # the rank holding and stepping this chunk's state (sharded mode)
-    owned: bool = True
-    done: threading.Event = field(default_factory=threading.Event)
-    synchronous: bool = True  # holds a parameter not seen in a module's forward: step() waits
-    cuda_done: Any = None  # torch.cuda.Event after the last write-back (CUDA only)
-
-    def __post_init__(self) -> None:
-        self.done.set()
-
-
-@dataclass(eq=False)
-class _Job:
-    chunk: _Chunk
-    members: list[int]  # positions in the chunk of the parameters that have a gradient
-    steps: list[torch.Tensor]  # their ``step`` state tensors
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    grads_ready: Any = None  # torch.cuda.Event on the training stream (CUDA only)
-
-
-class _Worker:
-    """One daemon thread stepping queued chunks in order. It holds no reference to the optimizer,
-    so an unused optimizer (and its arena) is collected; ``stop`` ends the thread."""
-
-    def __init__(self, run: Callable[[_Job], None]) -> None:
-        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self.error: tuple[_Job, BaseException] | None = None
-        self.run = run  # what the thread does to each job (tests wrap it to inject delays)
-        self._thread = threading.Thread(target=self._loop, name="lightning_ckpt-adamw", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            try:
-                if self.error is None:  # after a failure, later chunks are released unstepped
-                    self.run(job)
-            except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
-                self.error = (job, exc)
-            finally:
-                job.chunk.done.set()  # every waiter wakes up, failed or not: nothing hangs
-
-    def stop(self) -> None:
-        self.jobs.put(None)
-
-    def join(self) -> None:
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
-
-
-class _Stepper:
-    """What the worker thread does to one chunk: gradients to the host, the kernel, write-back.
-
-    Owns the transfer buffers: one host fp32 gradient buffer (used when gradients are on CUDA or
-    not fp32) and, on CUDA, one device fp32 buffer for the write-back and the two side streams.
-    One buffer each is enough: the worker steps one chunk at a time, and a CUDA chunk's copies are
-    synchronized (D2H) or stream-ordered (H2D) before the next chunk reuses them.
-    """
-
-    def __init__(self, arena: HostArena, largest: int, device: torch.device, group: Any = None) -> None:
-        self.arena = arena
-        self.group = group  # sharded mode: owners broadcast updated master chunks over it
-        self.last_write: Any = None  # CUDA: the event after the last write-back
-        self.cuda = device.type == "cuda"
-        self.host_grad = torch.empty(largest, dtype=MASTER_DTYPE, pin_memory=self.cuda)
-        if self.cuda:
-            self.device = device
-            self.device_master = torch.empty(largest, dtype=MASTER_DTYPE, device=device)
-            self.d2h = torch.cuda.Stream(device)
-            self.h2d = torch.cuda.Stream(device)
-
-    def _host_grads(self, job: _Job) -> list[torch.Tensor]:
-        c = job.chunk
-        if not self.cuda and c.grad_buffer.dtype == MASTER_DTYPE:
-            return [c.grads[i] for i in job.members]  # already host memory: used in place
-        flat = self.host_grad[: c.spec.numel]
-        if self.cuda:
-            with torch.cuda.device(self.device), torch.cuda.stream(self.d2h):
-                self.d2h.wait_event(job.grads_ready)
-                flat.copy_(c.grad_buffer, non_blocking=True)
-            self.d2h.synchronize()
-        else:
-            flat.copy_(c.grad_buffer)  # bf16 / fp16 gradients upcast once per chunk
-        slots = c.spec.slots
-        return [flat[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]) for i in job.members]
-
-    def _write_back(self, job: _Job, source: torch.Tensor) -> None:
-        """Updated fp32 values of the chunk (``source``: host, flat) into its parameters."""
-        c = job.chunk
-        slots = c.spec.slots
-        with torch.no_grad():
-            if self.cuda:
-                with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
-                    flat = self.device_master[: c.spec.numel]
-                    flat.copy_(source, non_blocking=True)
-                    for i in job.members:
-                        c.params[i].copy_(flat[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]))
-                    event = torch.cuda.Event()
-                    event.record(self.h2d)
-                # Until ``event`` the copy reads ``source``: the next job waits for it first.
-                c.cuda_done = self.last_write = event
-            else:
-                for i in job.members:
-                    c.params[i].copy_(source[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]))
-        for i in job.members:
-            c.versions[i] = c.params[i]._version
-
-    def __call__(self, job: _Job) -> None:
-        c = job.chunk
-        if self.last_write is not None:
-            self.last_write.synchronize()  # host buffers read by the last H2D copy are free again
-        if not c.owned:  # sharded mode: the owner steps it; its updated values arrive here
-            torch._foreach_add_(job.steps, 1)
-            received = self.host_grad[: c.spec.numel]
-            torch.distributed.broadcast(received, src=c.owner, group=self.group)
-            self._write_back(job, received)
-            return
-        self.arena.writable(c.spec)
-        grads = self._host_grads(job)
-        # As torch.optim.AdamW(fused=True) does: steps first, then the kernel, one call per chunk
-        # with the parameters' own views (the kernel's vector body and scalar tail then cover the
-        # same elements as for separate tensors: a flat call would differ in the tails).
-        torch._foreach_add_(job.steps, 1)
-        torch._fused_adamw_(
-            [c.master[i] for i in job.members],
-            grads,
-            [c.exp_avg[i] for i in job.members],
-            [c.exp_avg_sq[i] for i in job.members],
-            [],
-            job.steps,
-            lr=job.lr,
-            beta1=job.beta1,
-            beta2=job.beta2,
-            weight_decay=job.weight_decay,
-            eps=job.eps,
-            amsgrad=False,
-            maximize=False,
-        )
-        if self.group is not None:
-            torch.distributed.broadcast(c.master_flat, src=c.owner, group=self.group)
-        self._write_back(job, c.master_flat)
 
 
 def _reject_unsupported(options: dict[str, Any], where: str) -> None:
@@ -328,11 +169,13 @@ class ChunkedAdamW(Optimizer):
             self._group = dist.new_group(backend="gloo")
             rank = dist.get_rank()
             owners = assign_owners(layout, dist.get_world_size())
+            self._meshes = owner_meshes(dist.get_world_size())  # for saves where every rank writes
             layout = restrict(layout, {i for i, owner in enumerate(owners) if owner == rank})
         self.layout = layout
         self._arena = HostArena(layout, pin=self.device.type == "cuda")
-        self._chunks: list[_Chunk] = []
-        self._where: dict[torch.Tensor, tuple[_Chunk, int]] = {}  # parameter -> (chunk, position)
+        self._chunks: list[Chunk] = []
+        self._where: dict[torch.Tensor, tuple[Chunk, int]] = {}  # parameter -> (chunk, position)
+        aliased: list[weakref.ref[torch.Tensor]] = []  # parameters living in the arena
         for spec in layout.chunks:
             params = [packed[s.param][1] for s in spec.slots]
             buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=self.device)
@@ -345,21 +188,27 @@ class ChunkedAdamW(Optimizer):
                     return []
                 return [flat[s.offset : s.offset + s.numel].view(p.shape) for s, p in zip(spec.slots, params)]
 
-            chunk = _Chunk(
+            chunk = Chunk(
                 spec, params, buffer, views(buffer), master_flat, views(master_flat), views(avg), views(avg_sq),
                 [None] * len(params), owners[spec.index], owned,
             )
             self._chunks.append(chunk)
             for i, p in enumerate(params):
                 self._where[p] = (chunk, i)
-                p.register_post_accumulate_grad_hook(_GradMover(weakref.ref(self)))
+                p.register_post_accumulate_grad_hook(GradMover(weakref.ref(self)))
+                if owned and self._group is None and _may_alias(p):
+                    self._arena.writable(spec)
+                    with torch.no_grad():
+                        chunk.master[i].copy_(p)
+                    p.data = chunk.master[i]  # the parameter is its master weights: no write-back
+                    aliased.append(weakref.ref(p))
         largest = max((s.numel for s in layout.chunks), default=0)
-        self._worker = _Worker(_Stepper(self._arena, largest, self.device, self._group))
-        weakref.finalize(self, _shutdown, self._worker, self._arena)
+        self._worker = Worker(Stepper(self._arena, largest, self.device, self._group))
+        weakref.finalize(self, _shutdown, self._worker, self._arena, aliased)
         self._hooked: set[int] = set()  # ids of modules given wait hooks
         self._awaited: set[torch.Tensor] = set()  # parameters a hooked module's forward waits for
         self._discovery = (
-            torch.nn.modules.module.register_module_forward_pre_hook(_Discover(weakref.ref(self)))
+            torch.nn.modules.module.register_module_forward_pre_hook(Discover(weakref.ref(self)))
             if self._overlap
             else None
         )
@@ -378,7 +227,7 @@ class ChunkedAdamW(Optimizer):
             " applied, later ones not): restore the model and optimizer from a checkpoint."
         ) from exc
 
-    def _wait(self, chunks: Iterable[_Chunk]) -> None:
+    def _wait(self, chunks: Iterable[Chunk]) -> None:
         for chunk in chunks:
             chunk.done.wait()
             if chunk.cuda_done is not None:
@@ -394,7 +243,7 @@ class ChunkedAdamW(Optimizer):
         found = {id(entry[0]): entry[0] for p in params if (entry := self._where.get(p)) is not None}
         self._wait(found.values())
 
-    def _module_chunks(self, module: torch.nn.Module) -> list[_Chunk]:
+    def _module_chunks(self, module: torch.nn.Module) -> list[Chunk]:
         found = {id(self._where[p][0]): self._where[p][0] for p in module._parameters.values() if p in self._where}
         return list(found.values())
 
@@ -411,7 +260,7 @@ class ChunkedAdamW(Optimizer):
             for p in module._parameters.values():
                 if p is not None and self._where.get(p, (None,))[0] is chunk:
                     self._awaited.add(p)
-        waiter = _ChunkWaiter(weakref.ref(self), chunks)
+        waiter = ChunkWaiter(weakref.ref(self), chunks)
         module.register_forward_pre_hook(waiter)
         module.register_state_dict_pre_hook(waiter)
 
@@ -454,7 +303,7 @@ class ChunkedAdamW(Optimizer):
                         " build the module with `sparse=False`, or use torch.optim.SparseAdam for it."
                     )
                 self._into_view(chunk, i)
-                if chunk.owned and chunk.versions[i] != p._version:  # set or loaded from outside
+                if chunk.owned and chunk.versions[i] != p._version and not chunk.aliased(i):  # set from outside
                     self._arena.writable(chunk.spec)
                     chunk.master[i].copy_(p.detach())
                     chunk.versions[i] = p._version
@@ -464,7 +313,7 @@ class ChunkedAdamW(Optimizer):
             group = self.param_groups[chunk.spec.group]
             steps = [self._state_of(chunk, i)["step"] for i in members]
             lr = group["lr"]
-            job = _Job(
+            job = Job(
                 chunk, members, steps, float(lr), float(group["betas"][0]), float(group["betas"][1]),
                 float(group["eps"]), float(group["weight_decay"]), grads_ready,
             )
@@ -475,7 +324,7 @@ class ChunkedAdamW(Optimizer):
         self._wait(waits)
         return loss
 
-    def _state_of(self, chunk: _Chunk, i: int) -> dict[str, Any]:
+    def _state_of(self, chunk: Chunk, i: int) -> dict[str, Any]:
         p = chunk.params[i]
         state = self.state[p]
         if "step" not in state:
@@ -485,7 +334,7 @@ class ChunkedAdamW(Optimizer):
                 state["exp_avg_sq"] = chunk.exp_avg_sq[i]
         return state
 
-    def _into_view(self, chunk: _Chunk, i: int) -> None:
+    def _into_view(self, chunk: Chunk, i: int) -> None:
         """Make parameter ``i``'s gradient its view of the chunk's buffer (copying it there)."""
         p, view = chunk.params[i], chunk.grads[i]
         grad = p.grad
@@ -521,16 +370,26 @@ class ChunkedAdamW(Optimizer):
         shapes, fp32, viewing the host arena: copy them to keep a snapshot across steps).
 
         Sharded mode: a collective (every rank calls it, as Lightning's checkpointing does); the
-        owners broadcast their chunks' moments, so every rank returns the whole state.
+        owners broadcast their chunks' moments, so every rank returns the whole state. Inside
+        :func:`lightning_ckpt.offload.shares.own_shares` (a save every rank writes a part of) no
+        collective: each moment is a ``DTensor`` held by its owner alone, viewing its arena.
         """
         self.wait()
         packed = super().state_dict()
         if self._group is None:
             return packed
         index = _torch_indices(self.param_groups)
+        shares = shares_wanted()
         for chunk in self._chunks:
             stateful = [i for i, p in enumerate(chunk.params) if "step" in self.state.get(p, {})]
             if not stateful:  # the same on every rank: step counts are kept everywhere
+                continue
+            # 0-d parameters' chunks are gathered (on every rank alike): one-rank DTensors are not tried there.
+            if shares and all(chunk.params[i].dim() > 0 for i in stateful):
+                for i in stateful:
+                    p, entry = chunk.params[i], packed["state"][index[id(chunk.params[i])]]
+                    for key, views in (("exp_avg", chunk.exp_avg), ("exp_avg_sq", chunk.exp_avg_sq)):
+                        entry[key] = placed(views[i] if chunk.owned else None, p.shape, self._meshes[chunk.owner])
                 continue
             n = chunk.spec.numel
             if chunk.owned:
@@ -596,6 +455,22 @@ class ChunkedAdamW(Optimizer):
         return self._arena.pinned_bytes
 
 
+def _may_alias(p: torch.Tensor) -> bool:
+    """Can ``p`` become a view of its fp32 master weights in the arena? An fp32 parameter in host
+    memory (the CPU standing in for the device) that is the whole of its own storage: one that
+    views a larger buffer (``ChunkedOffloadStrategy``'s host chunks, a flat parameter) is managed
+    by someone else and keeps its memory."""
+    nbytes = p.numel() * p.element_size()
+    return (
+        p.device.type == "cpu"
+        and p.dtype == MASTER_DTYPE
+        and p.is_contiguous()
+        and p.storage_offset() == 0
+        and p.untyped_storage().nbytes() == nbytes
+        and nbytes > 0
+    )
+
+
 def _torch_indices(groups: list[dict[str, Any]]) -> dict[int, int]:
     """id(parameter) -> its index in a state dict, numbered as ``torch.optim.Optimizer`` does."""
     index: dict[int, int] = {}
@@ -607,52 +482,13 @@ def _torch_indices(groups: list[dict[str, Any]]) -> dict[int, int]:
     return index
 
 
-def _shutdown(worker: _Worker, arena: HostArena) -> None:
-    """The optimizer is gone: end the worker, then release the arena (its file descriptor)."""
+def _shutdown(worker: Worker, arena: HostArena, aliased: list[weakref.ref[torch.Tensor]]) -> None:
+    """The optimizer is gone: end the worker, give the parameters that lived in the arena memory
+    of their own (the arena is unmapped next), then release the arena (its file descriptor)."""
     worker.stop()
     worker.join()
+    for ref in aliased:
+        p = ref()
+        if p is not None and arena.holds(p):
+            p.data = p.detach().clone()
     arena.close()
-
-
-class _GradMover:
-    """Post-accumulate-grad hook: a gradient autograd just created moves into its view at once, so
-    clipping and scaling see the views and the fresh tensor is freed during backward."""
-
-    def __init__(self, optimizer: weakref.ref[ChunkedAdamW]) -> None:
-        self._optimizer = optimizer
-
-    def __call__(self, p: torch.Tensor) -> None:
-        optimizer = self._optimizer()
-        if optimizer is None or p not in optimizer._where:
-            return
-        chunk, i = optimizer._where[p]
-        grad = p.grad
-        if grad is not None and grad.layout == torch.strided and grad.data_ptr() != chunk.grads[i].data_ptr():
-            chunk.done.wait()  # the buffer is not being read by a step still in flight
-            with torch.no_grad():
-                optimizer._into_view(chunk, i)
-
-
-class _Discover:
-    """Global forward pre-hook until the first ``step()``: finds the modules holding our params."""
-
-    def __init__(self, optimizer: weakref.ref[ChunkedAdamW]) -> None:
-        self._optimizer = optimizer
-
-    def __call__(self, module: torch.nn.Module, args: Any) -> None:
-        optimizer = self._optimizer()
-        if optimizer is not None:
-            optimizer._adopt(module)
-
-
-class _ChunkWaiter:
-    """Forward pre-hook and state_dict pre-hook of a module: waits for its parameters' chunks."""
-
-    def __init__(self, optimizer: weakref.ref[ChunkedAdamW], chunks: list[_Chunk]) -> None:
-        self._optimizer = optimizer
-        self._chunks = chunks
-
-    def __call__(self, module: torch.nn.Module, *args: Any) -> None:
-        optimizer = self._optimizer()
-        if optimizer is not None:
-            optimizer._wait(self._chunks)

@@ -7,17 +7,26 @@ one buffer). The host arena holds, per chunk, the fp32 master weights, ``exp_avg
 ``exp_avg_sq`` as three flat tensors; it is one shared-memory buffer of the staging pool's kind
 (:class:`lightning_ckpt.staging.StagingPool`): allocated once, faulted in (and page-locked when the
 parameters are on CUDA) by a background thread, never reallocated.
+
+An async save does not copy the arena on the training thread: the arena is a
+:class:`lightning_ckpt.staging.DeferredSource`, so the staging pool leaves the optimizer state
+views of a checkpoint to it; each claimed chunk is copied into the pool by the save's hand-off
+thread (in reverse layout order) or, when the next step reaches the chunk first, by that step just
+before it writes the chunk (copy-on-write). Either way the pool receives the chunk as it was when
+the save was staged, and each byte once.
 Nothing here imports Lightning.
 """
 
 from __future__ import annotations
 
+import bisect
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from lightning_ckpt.staging import StagingPool, aligned
+from lightning_ckpt.staging import StagingPool, aligned, register_deferred_source
 
 MASTER_DTYPE = torch.float32
 _ITEM = 4  # bytes per element of the master weights and both moments
@@ -129,7 +138,8 @@ class HostArena:
 
     Fresh pages read as zero, so both moments start at zero without a write. Writers call
     ``writable(spec)`` first: the background thread must be past a chunk before it is written
-    (on kernels without ``MADV_POPULATE_WRITE`` it zero-fills as it goes).
+    (on kernels without ``MADV_POPULATE_WRITE`` it zero-fills as it goes), and a save's claimed
+    copies of the chunk are made there, before the write (see the module docstring).
     """
 
     def __init__(self, layout: Layout, pin: bool) -> None:
@@ -137,6 +147,17 @@ class HostArena:
         self._pool.reserve(max(layout.nbytes, 1), pin=pin)
         self._bytes = torch.frombuffer(self._pool.buffer, dtype=torch.uint8)
         self.nbytes = layout.nbytes
+        held = [spec for spec in layout.chunks if spec.host_offset >= 0]
+        self._starts = [spec.host_offset for spec in held]  # ascending: chunks are laid out in order
+        self._specs = held
+        # Save copies not made yet, per chunk index: (arena source, pool destination). Guarded by
+        # ``_lock``, which is held while a chunk's copies are made, so a writer of the chunk
+        # (``writable``) waits for a copy in progress rather than overtaking it.
+        self._claims: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._lock = threading.Lock()
+        self.snapshot_bytes = 0  # bytes copied into staging pools for saves, ever
+        self.copied_on_write = 0  # of those, bytes copied by a writer of the chunk (``writable``)
+        register_deferred_source(self)
 
     def tensors(self, spec: ChunkSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Flat fp32 (master, exp_avg, exp_avg_sq) of a chunk, viewing the arena."""
@@ -146,12 +167,65 @@ class HostArena:
         )
 
     def writable(self, spec: ChunkSpec) -> None:
+        """Call before writing ``spec``'s chunk (any thread): it is faulted in, and a save's claimed
+        copies of it have been made."""
         self._pool.wait_writable(spec.host_end)  # the pool's own wait for its background thread
+        if self._claims:  # unlocked peek: claims are added on the training thread, between steps
+            self._copy_claims(spec.index, on_write=True)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Does ``tensor``'s data lie in this arena?"""
+        start = self._bytes.data_ptr()
+        return self._bytes.numel() > 0 and start <= tensor.data_ptr() < start + self.nbytes
+
+    # -- DeferredSource: the staging pool leaves the arena's bytes of a save to it -------------
+
+    def claim(self, source: torch.Tensor, destination: torch.Tensor) -> bool:
+        """Take over copying ``source`` (a view of this arena) into ``destination`` (staging pool)."""
+        if self._bytes.numel() == 0 or source.device.type != "cpu":
+            return False
+        offset = source.data_ptr() - self._bytes.data_ptr()
+        nbytes = source.numel() * source.element_size()
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if offset < 0 or offset + nbytes > self.nbytes or i < 0 or offset + nbytes > self._specs[i].host_end:
+            return False
+        if offset < self._specs[i].state_offsets()[1]:
+            # Master weights (the parameters themselves where they alias them): written by more
+            # than ``writable``'s callers (a user's ``load_state_dict`` into the model), so copied now.
+            return False
+        with self._lock:
+            self._claims.setdefault(self._specs[i].index, []).append((source, destination))
+        return True
+
+    def settled(self) -> bool:
+        return not self._claims
+
+    def flush(self) -> None:
+        """Copy every claimed chunk not copied yet, last chunk first: the next step writes them
+        first to last, so the two meet in the middle and neither waits for the other."""
+        with self._lock:
+            order = sorted(self._claims, reverse=True)
+        for index in order:  # the lock is let go between chunks: a step may take its own first
+            self._copy_claims(index, on_write=False)
+
+    def _copy_claims(self, index: int, on_write: bool) -> None:
+        with self._lock:
+            claims = self._claims.get(index)
+            if not claims:
+                return
+            for source, destination in claims:
+                destination.copy_(source)
+                nbytes = source.numel() * source.element_size()
+                self.snapshot_bytes += nbytes
+                if on_write:
+                    self.copied_on_write += nbytes
+            del self._claims[index]
 
     @property
     def pinned_bytes(self) -> int:
         return self._pool.pinned_bytes
 
     def close(self) -> None:
+        self.flush()  # a save still waiting for its copies gets them before the memory goes
         self._bytes = torch.empty(0, dtype=torch.uint8)
         self._pool.close()

@@ -27,3 +27,16 @@ def test_bench_offload_cuda_tiny(tmp_path: Path) -> None:
         assert row["median_step_seconds"] > 0 and row["peak_device_bytes"] > 0
     # no optimizer state on the device: less device memory than AdamW on the GPU
     assert rows["ChunkedAdamW"]["peak_device_bytes"] < rows["AdamW on the GPU (fused)"]["peak_device_bytes"]
+
+
+def test_bench_offload_save_cuda_tiny(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    json_path = tmp_path / "save.json"
+    argv = ["--mode", "offload", "--save", "--device", "cuda", "--width", "256", "--layers", "2", "--batch", "64",
+            "--chunk-size", "64KiB", "--steps", "2", "--repeats", "1", "--json", str(json_path)]
+    assert bench.main(argv) == 0
+    rows = {r["contender"]: r for r in json.loads(json_path.read_text())["results"]}
+    moments = 2 * 2 * (256 * 256 + 256) * 4
+    # AdamW's moments come off the device; ChunkedAdamW's are host memory the arena copies itself
+    assert rows["AdamW fused"]["optimizer_d2h_bytes"] >= moments  # and its step counts (fused: on the device)
+    assert rows["ChunkedAdamW"]["optimizer_d2h_bytes"] == 0 and rows["ChunkedAdamW"]["arena_copied_bytes"] == moments

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from models import cli_trainer_yaml, trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -130,6 +130,59 @@ def test_sharded_checkpoint_resume_is_bit_identical(tmp_path, async_save):
     assert float(state[0]["step"]) == EPOCH
     assert resumed.losses == reference.losses[EPOCH:]
     assert_same(resumed, reference)
+
+
+class StateAtSave(Callback):
+    """Clones the optimizer state each save hands the plugin, and counts the steps that ran while
+    the first save was not durable yet (``poll``). Runs before ModelCheckpoint's batch-end hook."""
+
+    def __init__(self, plugin: lc.ShardedCheckpointIO) -> None:
+        self.plugin = plugin
+        self.saved: dict[int, dict] = {}
+        self.weights: dict[int, dict] = {}
+        self.durable: list[str] = []
+        self.steps_while_writing = 0
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        state = checkpoint["optimizer_states"][0]["state"]
+        self.saved[trainer.global_step] = {k: {n: t.clone() for n, t in e.items()} for k, e in state.items()}
+        self.weights[trainer.global_step] = {k: t.clone() for k, t in checkpoint["state_dict"].items()}
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.durable += [r.path for r in self.plugin.poll()]
+        if self.saved and not self.durable:
+            self.steps_while_writing += 1
+
+
+def test_async_checkpoint_holds_the_state_at_the_save_while_later_steps_run(tmp_path):
+    """A slow writer (``max_write_rate``): the next steps run while the save is being written; the
+    checkpoint still holds the state as of the save, and the moments were copied into the staging
+    pool once per staged save (top-k file and last.ckpt share one), none on the training thread."""
+    plugin = lc.ShardedCheckpointIO(async_save=True, buffer_size="4KiB", max_write_rate="32KiB")
+    record = StateAtSave(plugin)
+    seed_everything(0, workers=True)
+    model = TiedNet(chunked=True)
+    save = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, save_last=True)
+    trainer = Trainer(**trainer_kwargs(max_steps=EPOCH, callbacks=[record, save], plugins=[plugin], **RESUME))
+    trainer.fit(model)
+    plugin.wait()
+    assert record.steps_while_writing >= 1  # the premise: steps 4.. ran before step 3's save was durable
+
+    loaded = lc.load_checkpoint(tmp_path / "epoch=0-step=3.ckpt")["optimizer_states"][0]["state"]
+    assert loaded.keys() == record.saved[3].keys()
+    for k, entry in record.saved[3].items():
+        for name, value in entry.items():
+            assert torch.equal(loaded[k][name], value), (k, name)
+            assert name == "step" or not torch.equal(record.saved[6][k][name], value)  # training moved on
+    # The weights too (on the CPU the parameters are the arena's master weights, updated in place):
+    # each checkpoint holds its own step's, not bytes staged for an earlier save.
+    for step in (3, 6):
+        weights = lc.load_checkpoint(tmp_path / f"epoch=0-step={step}.ckpt")["state_dict"]
+        assert all(torch.equal(weights[k], v) for k, v in record.weights[step].items()), step
+    assert not torch.equal(record.weights[3]["embed.weight"], record.weights[6]["embed.weight"])
+    moment_bytes = sum(t.numel() * t.element_size() for e in record.saved[3].values() for n, t in e.items() if n != "step")
+    arena = trainer.optimizers[0]._arena
+    assert arena.snapshot_bytes == 2 * moment_bytes  # steps 3 and 6, each byte once
 
 
 @pytest.mark.parametrize("chunked_first", [True, False])

@@ -309,3 +309,51 @@ def test_owners_balance_chunks_and_a_rank_holds_only_its_own():
     assert [c.host_offset for c in mine.chunks][0] == -1 and mine.chunks[1].host_offset == 0
     assert mine.chunks[2].host_offset == mine.chunks[1].host_end and mine.nbytes == mine.chunks[2].host_end
     assert mine.nbytes < layout.nbytes
+
+
+def test_cpu_fp32_parameters_are_their_master_weights_and_get_their_memory_back():
+    """On the CPU an fp32 parameter owning its storage becomes a view of its master weights (no
+    write-back); results stay bit-identical to AdamW; re-pointing a parameter elsewhere brings its
+    write-back back; the optimizer's end gives the parameters memory of their own."""
+    import gc
+
+    torch.manual_seed(0)
+    net = Net()
+    ref = copy.deepcopy(net)
+    opt = ChunkedAdamW(groups(net), lr=1e-2, chunk_size="1KiB")
+    for p, (chunk, i) in opt._where.items():
+        assert p.data_ptr() == chunk.master[i].data_ptr() and chunk.aliased(i)
+    ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, fused=True)
+    versions = {p: p._version for p in opt._where}
+    train(net, opt, 3)
+    train(ref, ref_opt, 3)
+    opt.wait()
+    assert_same(net, ref)
+    # updated by the kernel in place, and their version counters say so (saves tell unchanged tensors by them)
+    assert all(p._version > v for p, v in versions.items())
+
+    moved = net.body[0].weight
+    with torch.no_grad():
+        moved.data = moved.detach().clone()  # something points it elsewhere: written back again
+    assert not opt._where[moved][0].aliased(opt._where[moved][1])
+    train(net, opt, 2)
+    train(ref, ref_opt, 2)
+    opt.wait()
+    assert_same(net, ref)
+
+    arena = opt._arena
+    before = [p.detach().clone() for p in net.parameters()]
+    del opt, chunk
+    gc.collect()
+    assert arena.nbytes > 0 and not any(arena.holds(p) for p in net.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
+
+
+def test_parameters_viewing_a_larger_buffer_keep_their_memory():
+    flat = torch.zeros(30)
+    p = torch.nn.Parameter(flat[:20].view(4, 5))
+    q = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    opt = ChunkedAdamW([p, q], lr=1e-2)
+    (chunk, i), (bchunk, j) = opt._where[p], opt._where[q]
+    assert not chunk.aliased(i) and not bchunk.aliased(j)
+    assert p.data_ptr() == flat.data_ptr()

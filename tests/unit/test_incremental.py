@@ -344,3 +344,33 @@ def test_a_removed_previous_checkpoint_is_written_again(tmp_path):
     assert io.last_save.reused_bytes > 0
     lc.verify_checkpoint(tmp_path / "c.ckpt")
     assert _equal(lc.load_checkpoint(tmp_path / "c.ckpt")["state_dict"], model.state_dict())
+
+
+@pytest.mark.parametrize("optimizer_class", ["fused", "chunked"])
+def test_fused_optimizer_steps_are_seen(tmp_path, optimizer_class):
+    """Fused kernels (torch's ``fused=True``, ChunkedAdamW's) change parameters and state in place
+    without bumping their version counters; the post-step hook does, so nothing stale is reused."""
+    from lightning_ckpt.offload import ChunkedAdamW
+
+    model = _model()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, fused=True) if optimizer_class == "fused" else ChunkedAdamW(trained)
+    io = ShardedCheckpointIO(max_shard_size=1)  # a file per tensor: each moment alone in its file
+    io.track_frozen(model)
+    states = {}
+    for step in range(3):
+        _train(model, optimizer)
+        if hasattr(optimizer, "wait"):
+            optimizer.wait()
+        io.save_checkpoint(_checkpoint(model, optimizer, step), tmp_path / f"{step}.ckpt")
+        states[step] = ({k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict()["state"])
+        states[step] = (states[step][0], {i: {k: v.clone() for k, v in s.items()} for i, s in states[step][1].items()})
+        if step:  # the frozen backbone, and only it, is reused
+            folder = tmp_path / f"{step}.ckpt"
+            stable = sum(os.path.getsize(folder / name) for name in os.listdir(folder) if "-stable-" in name)
+            assert io.last_save.reused_bytes == stable
+    for step, (model_state, optimizer_state) in states.items():
+        loaded = lc.load_checkpoint(tmp_path / f"{step}.ckpt")
+        assert _equal(loaded["state_dict"], model_state)
+        for index, entries in optimizer_state.items():
+            assert _equal(loaded["optimizer_states"][0]["state"][index], entries)

@@ -1,0 +1,189 @@
+"""The worker side of ``ChunkedAdamW``: a chunk's runtime state, a queued step, the worker thread
+and what it does to one chunk (gradients to the host, torch's fused CPU AdamW kernel, write-back).
+
+Threads: ``Worker`` owns one daemon thread; everything in ``Stepper.__call__`` runs there. The main
+thread touches a chunk's state, gradients or parameters only while its ``done`` event is set.
+Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import increment_version
+
+from lightning_ckpt.offload.chunks import MASTER_DTYPE, ChunkSpec, HostArena
+
+
+@dataclass(eq=False)
+class Chunk:
+    """Runtime side of a :class:`ChunkSpec`. ``done`` is set while no step of the chunk is queued
+    or running: only then may the main thread touch its state, gradients or parameters."""
+
+    spec: ChunkSpec
+    params: list[torch.Tensor]
+    grad_buffer: torch.Tensor  # flat, on the parameters' device, in their dtype
+    grads: list[torch.Tensor]  # views of grad_buffer with the parameters' shapes
+    master_flat: torch.Tensor  # the chunk's fp32 master weights in the arena (empty: not owned)
+    master: list[torch.Tensor]  # views of master_flat / the moments with the parameters' shapes
+    exp_avg: list[torch.Tensor]
+    exp_avg_sq: list[torch.Tensor]
+    versions: list[int | None]  # each parameter's ``_version`` when master last matched it
+    owner: int = 0  # the rank holding and stepping this chunk's state (sharded mode)
+    owned: bool = True
+    done: threading.Event = field(default_factory=threading.Event)
+    synchronous: bool = True  # holds a parameter not seen in a module's forward: step() waits
+    cuda_done: Any = None  # torch.cuda.Event after the last write-back (CUDA only)
+
+    def __post_init__(self) -> None:
+        self.done.set()
+
+    def aliased(self, i: int) -> bool:
+        """Is parameter ``i`` a view of its master weights (CPU, fp32: the kernel updates it in place)?
+        Checked each time: something may have pointed the parameter elsewhere since (``p.data = ...``)."""
+        return self.owned and self.params[i].data_ptr() == self.master[i].data_ptr()
+
+
+@dataclass(eq=False)
+class Job:
+    chunk: Chunk
+    members: list[int]  # positions in the chunk of the parameters that have a gradient
+    steps: list[torch.Tensor]  # their ``step`` state tensors
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grads_ready: Any = None  # torch.cuda.Event on the training stream (CUDA only)
+
+
+class Worker:
+    """One daemon thread stepping queued chunks in order. It holds no reference to the optimizer,
+    so an unused optimizer (and its arena) is collected; ``stop`` ends the thread."""
+
+    def __init__(self, run: Callable[[Job], None]) -> None:
+        self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.error: tuple[Job, BaseException] | None = None
+        self.run = run  # what the thread does to each job (tests wrap it to inject delays)
+        self._thread = threading.Thread(target=self._loop, name="lightning_ckpt-adamw", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            try:
+                if self.error is None:  # after a failure, later chunks are released unstepped
+                    self.run(job)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
+                self.error = (job, exc)
+            finally:
+                job.chunk.done.set()  # every waiter wakes up, failed or not: nothing hangs
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+    def join(self) -> None:
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+
+class Stepper:
+    """What the worker thread does to one chunk: gradients to the host, the kernel, write-back.
+
+    Owns the transfer buffers: one host fp32 gradient buffer (used when gradients are on CUDA or
+    not fp32) and, on CUDA, one device fp32 buffer for the write-back and the two side streams.
+    One buffer each is enough: the worker steps one chunk at a time, and a CUDA chunk's copies are
+    synchronized (D2H) or stream-ordered (H2D) before the next chunk reuses them.
+    """
+
+    def __init__(self, arena: HostArena, largest: int, device: torch.device, group: Any = None) -> None:
+        self.arena = arena
+        self.group = group  # sharded mode: owners broadcast updated master chunks over it
+        self.last_write: Any = None  # CUDA: the event after the last write-back
+        self.cuda = device.type == "cuda"
+        self.host_grad = torch.empty(largest, dtype=MASTER_DTYPE, pin_memory=self.cuda)
+        if self.cuda:
+            self.device = device
+            self.device_master = torch.empty(largest, dtype=MASTER_DTYPE, device=device)
+            self.d2h = torch.cuda.Stream(device)
+            self.h2d = torch.cuda.Stream(device)
+
+    def _host_grads(self, job: Job) -> list[torch.Tensor]:
+        c = job.chunk
+        if not self.cuda and c.grad_buffer.dtype == MASTER_DTYPE:
+            return [c.grads[i] for i in job.members]  # already host memory: used in place
+        flat = self.host_grad[: c.spec.numel]
+        if self.cuda:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.d2h):
+                self.d2h.wait_event(job.grads_ready)
+                flat.copy_(c.grad_buffer, non_blocking=True)
+            self.d2h.synchronize()
+        else:
+            flat.copy_(c.grad_buffer)  # bf16 / fp16 gradients upcast once per chunk
+        slots = c.spec.slots
+        return [flat[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]) for i in job.members]
+
+    def _write_back(self, job: Job, source: torch.Tensor) -> None:
+        """Updated fp32 values of the chunk (``source``: host, flat) into its parameters."""
+        c = job.chunk
+        slots = c.spec.slots
+        with torch.no_grad():
+            if self.cuda:
+                with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
+                    flat = self.device_master[: c.spec.numel]
+                    flat.copy_(source, non_blocking=True)
+                    for i in job.members:
+                        c.params[i].copy_(flat[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]))
+                    event = torch.cuda.Event()
+                    event.record(self.h2d)
+                # Until ``event`` the copy reads ``source``: the next job waits for it first.
+                c.cuda_done = self.last_write = event
+            else:
+                for i in job.members:
+                    if source is c.master_flat and c.aliased(i):
+                        # Updated in place by the kernel: only its version counter still has to say
+                        # so (state-dict entries share it; saves tell unchanged tensors by it).
+                        increment_version(c.params[i])
+                    else:
+                        c.params[i].copy_(source[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]))
+        for i in job.members:
+            c.versions[i] = c.params[i]._version
+
+    def __call__(self, job: Job) -> None:
+        c = job.chunk
+        if self.last_write is not None:
+            self.last_write.synchronize()  # host buffers read by the last H2D copy are free again
+        if not c.owned:  # sharded mode: the owner steps it; its updated values arrive here
+            torch._foreach_add_(job.steps, 1)
+            received = self.host_grad[: c.spec.numel]
+            torch.distributed.broadcast(received, src=c.owner, group=self.group)
+            self._write_back(job, received)
+            return
+        self.arena.writable(c.spec)
+        grads = self._host_grads(job)
+        # As torch.optim.AdamW(fused=True) does: steps first, then the kernel, one call per chunk
+        # with the parameters' own views (the kernel's vector body and scalar tail then cover the
+        # same elements as for separate tensors: a flat call would differ in the tails).
+        torch._foreach_add_(job.steps, 1)
+        torch._fused_adamw_(
+            [c.master[i] for i in job.members],
+            grads,
+            [c.exp_avg[i] for i in job.members],
+            [c.exp_avg_sq[i] for i in job.members],
+            [],
+            job.steps,
+            lr=job.lr,
+            beta1=job.beta1,
+            beta2=job.beta2,
+            weight_decay=job.weight_decay,
+            eps=job.eps,
+            amsgrad=False,
+            maximize=False,
+        )
+        if self.group is not None:
+            torch.distributed.broadcast(c.master_flat, src=c.owner, group=self.group)
+        self._write_back(job, c.master_flat)
