@@ -140,12 +140,19 @@ def file_id(path: str) -> FileId | None:
 @dataclass(frozen=True, slots=True)
 class Reused:
     """A shard file of the new checkpoint taken from an earlier one (picklable, for the writer):
-    where it is, and its size, digest and identity when that checkpoint committed."""
+    where it is, and its size, digest and identity when that checkpoint committed.
+
+    ``id`` is ``None`` for a remote save committed in a spool folder: the file is not written at
+    all, and publishing copies ``remote`` (the earlier checkpoint's URL and file name) into the
+    new generation on the server. A save into the local tier has both: a local file to link, and
+    the earlier checkpoint's object to copy instead of uploading the file again.
+    """
 
     sources: tuple[str, ...]  # its path in the earlier checkpoint; then where it lies until that commits
     size: int
     digest: str
-    id: FileId
+    id: FileId | None
+    remote: tuple[str, str] | None = None  # (earlier checkpoint's URL, file name there)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,17 +162,18 @@ class StoredFile:
     filename: str
     size: int
     digest: str
-    id: FileId
+    id: FileId | None  # None: not a local file (a remote save's file that stayed on the server)
 
 
 @dataclass
 class _Record:
     """The latest committed save into one folder: its shard files, by what they hold."""
 
-    target: str
+    target: str  # a local directory, or the URL of a remote save committed in a spool folder
     files: dict[ShardKey, tuple[StoredFile, tuple[TensorState | None, ...]]]
     # A multi-rank save's shared folder: a rank's part is durable there before rank 0 commits it.
     part_folder: str | None = None
+    url: str | None = None  # a remote save's URL (published: its objects can be copied on the server)
 
 
 @dataclass
@@ -182,7 +190,8 @@ class Tracker:
     _records: dict[str, _Record] = field(default_factory=dict)
 
     def begin(self, plan: Plan, target: str) -> tuple[dict[str, Reused], Snapshot]:
-        """The snapshot of ``plan`` now, and ``reuse`` for a save of it to ``target``."""
+        """The snapshot of ``plan`` now, and ``reuse`` for a save of it to ``target`` (a local
+        directory, or a URL for a remote save committed in a spool folder)."""
         snapshot = Snapshot.of(plan)
         return self.reuse(snapshot, target), snapshot
 
@@ -202,25 +211,35 @@ class Tracker:
                 new is not None and old is not None and new.same(old) for new, old in zip(states, old_states)
             ):
                 continue  # a changed blob, or one that cannot be tracked: write the file
+            remote = None if record.url is None else (record.url, stored.filename)
+            if record.url == record.target:  # on the server only: copied there when published
+                reuse[filename] = Reused((), stored.size, stored.digest, None, remote)
+                continue
             folders = (record.target,) + ((record.part_folder,) if record.part_folder else ())
             sources = tuple(os.path.join(folder, stored.filename) for folder in folders)
-            if all(file_id(source) != stored.id for source in sources):
+            if stored.id is None or all(file_id(source) != stored.id for source in sources):
                 continue  # removed or replaced since (by someone else): write it
-            reuse[filename] = Reused(sources, stored.size, stored.digest, stored.id)
+            reuse[filename] = Reused(sources, stored.size, stored.digest, stored.id, remote)
         return reuse
 
     def committed(
-        self, snapshot: Snapshot, target: str, stored: Iterable[StoredFile], part_folder: str | None = None
+        self,
+        snapshot: Snapshot,
+        target: str,
+        stored: Iterable[StoredFile],
+        part_folder: str | None = None,
+        url: str | None = None,
     ) -> None:
         """The save of ``snapshot`` committed ``stored`` at ``target``: the latest in its folder.
-        ``part_folder``: a multi-rank save's, where this rank's files are until rank 0 commits."""
+        ``part_folder``: a multi-rank save's, where this rank's files are until rank 0 commits;
+        ``url``: a remote save's URL, once published."""
         by_name = {s.filename: s for s in stored}
         files = {
             key: (by_name[filename], states)
             for filename, (key, states) in snapshot.shards.items()
             if filename in by_name
         }
-        self._records[os.path.dirname(target)] = _Record(target, files, part_folder)
+        self._records[os.path.dirname(target)] = _Record(target, files, part_folder, url)
 
     def forget(self, path: str) -> None:
         """``path`` (a checkpoint) is being removed: never reuse from it."""
@@ -236,9 +255,8 @@ def stored_files(folder: str, files: Mapping[str, fmt.FileRecord], plan: Plan) -
     """The ``StoredFile`` of each shard file of ``plan`` in ``folder`` (recorded in ``files``)."""
     result = []
     for name in (shard.filename for shard in plan.shards):
-        record, found = files[name], file_id(os.path.join(folder, name))
-        if found is not None:
-            result.append(StoredFile(name, record.size, record.digest, found))
+        record = files[name]
+        result.append(StoredFile(name, record.size, record.digest, file_id(os.path.join(folder, name))))
     return tuple(result)
 
 
@@ -291,6 +309,9 @@ def place_all(reuse: Mapping[str, Reused], folder: str, staged: bool) -> tuple[d
     files: dict[str, fmt.FileRecord] = {}
     manifests: dict[str, fmt.Manifest | None] = {}
     for filename, source in reuse.items():
+        if source.id is None:  # stays on the server (see ``Reused``): listed, not written
+            files[filename] = fmt.FileRecord(source.size, source.digest)
+            continue
         try:
             files[filename] = place_reused(source, os.path.join(folder, filename), manifests)
         except ReuseUnavailable as err:

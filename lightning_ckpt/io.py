@@ -513,8 +513,9 @@ class ShardedCheckpointIO(CheckpointIO):
             )
             return
         with self._lock:
-            if self._tracker is not None and (not remote.is_remote(path) or self.remote.local_dir is not None):
-                self._tracker.forget(os.path.abspath(savejob.commit_dir_of(path, self.remote)))
+            if self._tracker is not None:  # as ``saver.begin_incremental`` names the checkpoint
+                spooled = remote.is_remote(path) and self.remote.local_dir is None
+                self._tracker.forget(path if spooled else os.path.abspath(savejob.commit_dir_of(path, self.remote)))
             self._async.then(lambda: self._remove(path))  # after the save replacing it is handed off
 
     def _remove(self, path: str) -> None:

@@ -43,7 +43,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import fsspec
 from fsspec.spec import AbstractFileSystem
@@ -74,6 +74,8 @@ _PIECE = 4 * 2**20  # bytes read (and compressed, decompressed) at a time
 # Client errors that no retry fixes (botocore's names; matched by name, botocore being optional).
 _NOT_TRANSIENT = {"NoCredentialsError", "PartialCredentialsError", "NoRegionError", "ParamValidationError", "InvalidConfigError"}
 _cleaned: set[tuple[Any, str]] = set()  # (protocol, folder) already rid of orphans by this process
+if TYPE_CHECKING:
+    from lightning_ckpt.server_copy import ServerCopies
 
 
 def is_remote(path: Any) -> bool:
@@ -555,9 +557,10 @@ class Published:
     seconds: float
     files: int
     manifest_digest: str
+    copied_bytes: int = 0  # of ``nbytes``, copied on the server from earlier checkpoints, not uploaded
 
 
-def publish(local: str, url: str, options: RemoteOptions) -> Published:
+def publish(local: str, url: str, options: RemoteOptions, copies: ServerCopies | None = None) -> Published:
     """Upload the committed local checkpoint ``local`` as the new generation of ``url`` and commit it.
 
     Raises ``CheckpointWriteError`` when anything fails: nothing is committed, and the checkpoint
@@ -567,7 +570,7 @@ def publish(local: str, url: str, options: RemoteOptions) -> Published:
     fs, root = options.filesystem(url)
     # Every file is opened before the upload begins: a save replacing ``local`` meanwhile (the
     # local tier's next ``last.ckpt``) cannot mix two checkpoints; this one stays readable.
-    manifest_bytes, manifest, fds = _open_committed(local)
+    manifest_bytes, manifest, fds = _open_committed(local, frozenset() if copies is None else copies.absent)
     generation = new_generation()
     folder = f"{root}/{generation}"
     parent = root.rsplit("/", 1)[0] if "/" in root else root
@@ -588,7 +591,10 @@ def publish(local: str, url: str, options: RemoteOptions) -> Published:
         def upload(name: str, record: fmt.FileRecord) -> None:
             encoding = encodings.get(name)
             target = f"{folder}/{name}{ENCODINGS[encoding] if encoding else ''}"
-            size = _upload(
+            copied = None if copies is None else copies.copy(fs, name, record, encoding, target)  # incremental
+            if copied is None and name not in fds:
+                raise FileNotFoundError(f"{name!r}, unchanged since an earlier checkpoint, could not be copied from it")
+            size = copied if copied is not None else _upload(
                 fs, fds[name], os.path.join(local, name), target, record, manifest.checksum, options.part_size, encoding,
                 options.compression_level, parts_pool,
             )
@@ -620,7 +626,8 @@ def publish(local: str, url: str, options: RemoteOptions) -> Published:
     # (the next save of this URL, or of its folder from a later process, removes them).
     _remove_other_generations(fs, root, keep=generation)
     stored = _stored_bytes(manifest, manifest_bytes, objects)
-    return Published(url, generation, stored, time.perf_counter() - start, len(manifest.files) + 1, fmt.digest(manifest_bytes))
+    copied = 0 if copies is None else sum(copies.copied.values())
+    return Published(url, generation, stored, time.perf_counter() - start, len(manifest.files) + 1, fmt.digest(manifest_bytes), copied)
 
 
 def _points_at(fs: AbstractFileSystem, root: str, url: str, generation: str) -> bool:
@@ -650,7 +657,7 @@ def _job(function: Callable[..., None], *args: Any, what: str) -> Callable[[], N
     return lambda: _retried(lambda: function(*args), what)
 
 
-def _open_committed(local: str) -> tuple[bytes, fmt.Manifest, dict[str, int]]:
+def _open_committed(local: str, absent: frozenset[str]) -> tuple[bytes, fmt.Manifest, dict[str, int]]:
     """The manifest (bytes, parsed) of the committed local checkpoint ``local`` and an open fd of
     each file it lists, all read through one directory fd: one checkpoint, whatever replaces it
     once they are open. Replaced (and removed) while being opened: the newer one is opened."""
@@ -661,7 +668,7 @@ def _open_committed(local: str) -> tuple[bytes, fmt.Manifest, dict[str, int]]:
         try:
             manifest = manifest_in(directory)
             data = directory.read(fmt.MANIFEST_FILE)
-            for name in manifest.files:
+            for name in manifest.files.keys() - absent:  # ``absent``: stayed on the server (incremental)
                 fds[name] = directory.open(name)
         except BaseException:
             for fd in fds.values():
@@ -980,11 +987,13 @@ def prune_local_tier(local: str, keep: int) -> list[str]:
     return removed
 
 
-def publish_committed(local: str, url: str, options: RemoteOptions, spool: str | None) -> Published:
+def publish_committed(
+    local: str, url: str, options: RemoteOptions, spool: str | None, copies: ServerCopies | None = None
+) -> Published:
     """Publish the locally committed checkpoint ``local`` to ``url``; then remove ``spool`` (the
     temporary folder it was committed in), or, in the local tier, mark it published and prune."""
     try:
-        published = publish(local, url, options)
+        published = publish(local, url, options, copies)
     finally:
         if spool is not None:
             shutil.rmtree(spool, ignore_errors=True)

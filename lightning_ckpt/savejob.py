@@ -32,6 +32,7 @@ import torch
 from lightning_ckpt import parts, remote, writer
 from lightning_ckpt.incremental import Reused
 from lightning_ckpt.plan import Plan, Stable, make_plan
+from lightning_ckpt.server_copy import ServerCopies
 from lightning_ckpt.writer import ImageSource, ShardWriter, WriteResult, write_checkpoint
 
 
@@ -67,11 +68,13 @@ class Destination:
         """A remote save committed in the local tier (kept there after it is published)."""
         return self.options is not None and self.spool is None
 
-    def publish(self) -> remote.Published:
+    def publish(self, reuse: dict[str, Reused] | None = None) -> remote.Published:
         """Upload the committed ``commit_dir`` to ``path``; the spool is removed, a local-tier copy
-        marked published and its folder pruned (see ``remote.publish_committed``)."""
+        marked published and its folder pruned (see ``remote.publish_committed``). Files in
+        ``reuse`` are copied on the server from the earlier checkpoints (``server_copy``)."""
         assert self.options is not None, "only a remote destination is published"
-        return remote.publish_committed(self.commit_dir, self.path, self.options, self.spool)
+        copies = ServerCopies.of(reuse, self.options)
+        return remote.publish_committed(self.commit_dir, self.path, self.options, self.spool, copies)
 
 
 def commit_dir_of(path: str, options: remote.RemoteOptions) -> str:
@@ -196,12 +199,12 @@ class SaveJob:
         if not self.publishes:
             return result
         if upload is not None and destination.tiered:
-            upload(destination.publish)
+            upload(functools.partial(destination.publish, self.reuse))
             return dataclasses.replace(result, path=destination.path)
-        published = destination.publish()
-        return WriteResult(
+        published = destination.publish(self.reuse)
+        return WriteResult(  # reused: not uploaded (copied on the server)
             destination.path, published.nbytes, result.seconds + published.seconds, result.files, result.direct_io,
-            result.reused_bytes, result.stored,
+            published.copied_bytes, result.stored,
         )
 
 

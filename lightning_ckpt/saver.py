@@ -105,12 +105,22 @@ class SyncSaver:
         job = prepared.job(destination, reuse=reuse)
         try:
             result = job.run(self.writer, upload=self.uploader.publish)
+        except CheckpointWriteError:
+            if self.tracker is None:
+                raise
+            self.tracker.clear()
+            if not any(r.id is None for r in reuse.values()):
+                raise
+            # A file left on the server could not be copied from the earlier checkpoint (removed
+            # behind this plugin's back): nothing was committed; save it whole, once.
+            job = prepared.job(Destination.resolve(path, self.options))
+            result = job.run(self.writer, upload=self.uploader.publish)
         except BaseException:
             if self.tracker is not None:
                 self.tracker.clear()
             raise
         if self.tracker is not None and ticket is not None:
-            self.tracker.committed(ticket[0], ticket[1], result.stored, ticket[2])
+            self.tracker.committed(*ticket[:2], result.stored, *ticket[2:])
         if job.publishes and job.destination.spool is not None:  # durable once published: the whole call
             result = dataclasses.replace(result, path=path, seconds=time.perf_counter() - start)
         self.outcomes.last_save = result
@@ -126,7 +136,7 @@ class SyncSaver:
     def collect(self) -> None:
         published, self.uploader.results = self.uploader.results, []
         for done in published:  # local tier: uploaded in the background
-            self.outcomes.unpolled.append(WriteResult(done.url, done.nbytes, done.seconds, done.files, False))
+            self.outcomes.unpolled.append(WriteResult(done.url, done.nbytes, done.seconds, done.files, False, done.copied_bytes))
 
     def raise_errors(self) -> None:
         """What a background upload raised, per ``on_error``."""
@@ -441,7 +451,7 @@ class AsyncSaver:
             )
             ticket = self.tickets.pop(r["id"], None)
             if ticket is not None and self.tracker is not None:
-                self.tracker.committed(ticket[0], ticket[1], result.stored, ticket[2])
+                self.tracker.committed(*ticket[:2], result.stored, *ticket[2:])
             self.outcomes.last_save = result
             self.outcomes.unpolled.append(result)
 
@@ -518,21 +528,23 @@ def _before_optimizer_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[s
     return (args[0], then_hand_over, *args[2:]), kwargs
 
 
-# An incremental save's ticket, for ``Tracker.committed``: its snapshot, the checkpoint it commits,
-# and a multi-rank save's part folder.
-Ticket = tuple[Snapshot, str, "str | None"]
+# An incremental save's ticket, for ``Tracker.committed``: its snapshot, the checkpoint it commits
+# (a local directory; a URL when committed in a spool), a multi-rank save's part folder, its URL.
+Ticket = tuple[Snapshot, str, "str | None", "str | None"]
 
 
 def begin_incremental(
     tracker: Tracker | None, prepared: Prepared, path: str, options: remote.RemoteOptions
 ) -> tuple[dict[str, Reused], Ticket | None]:
     """The shard files a save to ``path`` may reuse (see ``incremental.Tracker``) and its ticket;
-    none for a plugin with ``incremental=False`` or a remote save committed in a spool folder."""
-    if tracker is None or (remote.is_remote(path) and options.local_dir is None):
+    none for a plugin with ``incremental=False``. A remote save committed in a spool folder is
+    tracked by its URL (its reused files stay on the server)."""
+    if tracker is None:
         return {}, None
-    target = os.path.abspath(savejob.commit_dir_of(path, options))
+    url = path if remote.is_remote(path) else None
+    target = path if url is not None and options.local_dir is None else os.path.abspath(savejob.commit_dir_of(path, options))
     reuse, snapshot = tracker.begin(prepared.plan, target)
-    return reuse, (snapshot, target, None if prepared.part is None else prepared.part.folder)
+    return reuse, (snapshot, target, None if prepared.part is None else prepared.part.folder, url)
 
 
 def _storage(tensor: torch.Tensor) -> int:
