@@ -35,8 +35,16 @@ import time
 from typing import Any
 
 from lightning_ckpt.bench.files import DEFAULT_DIR, fsync_file, remove_path, run_directory
-from lightning_ckpt.bench.measure import MB, Metrics, Task, m, ratio, run_in_fresh_process, summarize
-from lightning_ckpt.bench.report import add_json_argument, emit_report, fmt, machine_info, report_header, stderr_logger
+from lightning_ckpt.bench.measure import MB, Metrics, Task, m, ratio, run_grid
+from lightning_ckpt.bench.report import (
+    add_json_argument,
+    emit_report,
+    fmt,
+    machine_info,
+    report_header,
+    size_argument,
+    stderr_logger,
+)
 
 SCENARIOS = ("lora", "full")
 CONTENDERS = ("incremental", "rewrite", "torch_io", "incremental_async", "rewrite_async")
@@ -153,18 +161,10 @@ def render_table(report: dict[str, Any]) -> Any:
     return table
 
 
-def _size(text: str) -> int:
-    from lightning_ckpt.plan import parse_size
-
-    try:
-        return parse_size(text, "--base-size")
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks --mode incremental", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-size", type=_size, default=DEFAULT_BASE, help=f"bytes of the base model (default {DEFAULT_BASE})")
+    parser.add_argument("--base-size", type=size_argument("--base-size"), default=DEFAULT_BASE, help=f"bytes of the base model (default {DEFAULT_BASE})")
     parser.add_argument("--width", type=int, default=4096, help="columns of each base Linear (default 4096)")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8: adapters are 2*8/4096 = 0.4%% of the base)")
     parser.add_argument("--saves", type=int, default=5, help="saves per process (default 5; steady state = saves 2..N)")
@@ -187,31 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     log = stderr_logger()
     directory = os.path.abspath(args.dir)
     started = time.time()
-    runs: dict[str, dict[str, list[Metrics]]] = {s: {c: [] for c in args.contenders} for s in args.scenarios}
-    errors: list[str] = []
     with run_directory(directory) as run_dir:
-        for r in range(args.repeats):
-            for scenario in args.scenarios:
-                for contender in args.contenders:
-                    tag = f"r{r}-{scenario}-{contender}"
-                    task: Task = {
-                        "kind": "incremental", "scenario": scenario, "contender": contender, "base_bytes": args.base_size,
-                        "width": args.width, "rank": args.rank, "saves": args.saves, "every": args.every,
-                        "run_dir": run_dir, "tag": tag,
-                    }  # fmt: skip
-                    log(f"[{r + 1}/{args.repeats}] {scenario} / {contender}")
-                    try:
-                        runs[scenario][contender].append(run_in_fresh_process(task, _run_task))
-                    except RuntimeError as err:
-                        errors.append(f"{tag}: {err}")
-                        log(f"{tag} FAILED: {str(err).splitlines()[0]}")
-    scenarios = {
-        scenario: {
-            contender: {"summary": summarize([run["metrics"] for run in contender_runs]), "runs": contender_runs}
-            for contender, contender_runs in by_contender.items()
-        }
-        for scenario, by_contender in runs.items()
-    }
+
+        def task_of(scenario: str, contender: str, tag: str) -> Task:
+            return {
+                "kind": "incremental", "scenario": scenario, "contender": contender, "base_bytes": args.base_size,
+                "width": args.width, "rank": args.rank, "saves": args.saves, "every": args.every,
+                "run_dir": run_dir, "tag": tag,
+            }  # fmt: skip
+
+        scenarios, errors = run_grid(args.repeats, list(args.scenarios), list(args.contenders), task_of, _run_task, log)
 
     def median(scenario: str, contender: str, key: str) -> float | None:
         return m(scenarios[scenario].get(contender, {}).get("summary"), key)

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
-from helpers import close_process_group  # noqa: E402
+from helpers import close_process_group, each_alone  # noqa: E402
 from models import FrozenBackbone, trainer_kwargs  # noqa: E402
 
 import lightning_ckpt as lc  # noqa: E402
@@ -33,23 +32,15 @@ class Capture(Callback):
 
 
 def stands_alone(folder: str, states: dict[int, dict[str, torch.Tensor]]) -> dict[str, bool]:
-    """Per checkpoint: verifies and loads as its state with every other one deleted (on a
-    hard-linked copy of the folder)."""
-    names = sorted(n for n in os.listdir(folder) if n.endswith(".ckpt"))
+    """Per checkpoint: verifies and loads as its state with every other one deleted."""
     result = {}
-    for keep in names:
-        alone = folder + "-alone"
-        shutil.copytree(folder, alone, copy_function=os.link)
-        for other in names:
-            if other != keep:
-                shutil.rmtree(os.path.join(alone, other))
-        lc.verify_checkpoint(os.path.join(alone, keep))
-        loaded = lc.load_checkpoint(os.path.join(alone, keep))
+    for keep, alone in each_alone(folder, sorted(n for n in os.listdir(folder) if n.endswith(".ckpt"))):
+        lc.verify_checkpoint(alone)
+        loaded = lc.load_checkpoint(alone)
         expected = states[loaded["global_step"]]
         result[keep] = loaded["state_dict"].keys() == expected.keys() and all(
             torch.equal(loaded["state_dict"][k], v) for k, v in expected.items()
         )
-        shutil.rmtree(alone)
     return result
 
 

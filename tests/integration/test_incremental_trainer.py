@@ -4,11 +4,11 @@ every checkpoint stays complete and loads bit for bit, and no change is ever mis
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
+from helpers import disk_usage, each_alone
 from models import FrozenBackbone, trainer_kwargs
 
 import lightning_ckpt as lc
@@ -40,39 +40,22 @@ def _fit(dirpath, io, steps: int, ckpt_path=None, callbacks=(), **checkpoint_opt
     return capture
 
 
-def _disk_usage(folder) -> int:
-    seen, total = set(), 0
-    for root, _, names in os.walk(folder):
-        for name in names:
-            st = os.stat(os.path.join(root, name))
-            if (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                total += st.st_size
-    return total
-
-
 def _size(folder) -> int:
     return sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder))
 
 
 def assert_each_loads_alone(folder, states: dict[int, dict[str, torch.Tensor]]) -> None:
     """Every checkpoint in ``folder`` verifies and loads as ``states[its step]`` once every other
-    checkpoint is deleted (on a hard-linked copy of the folder, one per checkpoint)."""
+    checkpoint is deleted."""
     names = sorted(n for n in os.listdir(folder) if n.endswith(".ckpt"))
     assert names
-    for keep in names:
-        alone = folder.parent / f"{folder.name}-alone"
-        shutil.copytree(folder, alone, copy_function=os.link, symlinks=True)
-        for other in names:
-            if other != keep:
-                shutil.rmtree(alone / other)
-        lc.verify_checkpoint(alone / keep)
-        loaded = lc.load_checkpoint(alone / keep)
+    for keep, alone in each_alone(folder, names):
+        lc.verify_checkpoint(alone)
+        loaded = lc.load_checkpoint(alone)
         expected = states[loaded["global_step"]]
         assert loaded["state_dict"].keys() == expected.keys()
         for key, value in expected.items():
             assert torch.equal(loaded["state_dict"][key], value), (keep, key)
-        shutil.rmtree(alone)
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
@@ -87,7 +70,7 @@ def test_frozen_backbone_is_written_once_and_every_checkpoint_stands_alone(tmp_p
     # The folder grows per save by what changed: the head, the optimizer, metadata and manifest.
     full, stable = _size(folder / names[0]), os.path.getsize(folder / names[0] / STABLE)
     assert stable > 0.9 * full
-    assert abs(_disk_usage(folder) - (full + 4 * (full - stable))) < 0.01 * full
+    assert abs(disk_usage(folder) - (full + 4 * (full - stable))) < 0.01 * full
     records = capture.checkpoint.save_records
     # Reused: the backbone, and whatever small state did not change either (the callback's scores).
     assert records[0]["reused_bytes"] == 0

@@ -9,6 +9,7 @@ import tempfile
 
 import pytest
 import torch
+from helpers import disk_usage, each_alone
 
 import lightning_ckpt as lc
 from lightning_ckpt import ShardedCheckpointIO
@@ -52,18 +53,6 @@ def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 def _files(folder) -> dict[str, os.stat_result]:
     return {name: os.stat(os.path.join(folder, name)) for name in os.listdir(folder)}
-
-
-def _disk_usage(folder) -> int:
-    """Bytes of every file under ``folder``, each inode counted once (hard links share one)."""
-    seen, total = set(), 0
-    for root, _, names in os.walk(folder):
-        for name in names:
-            st = os.stat(os.path.join(root, name))
-            if (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                total += st.st_size
-    return total
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -246,7 +235,7 @@ def test_frozen_backbone_saves_write_only_the_head_and_optimizer(tmp_path):
         path = tmp_path / f"step={step}.ckpt"
         io.save_checkpoint(_checkpoint(model, optimizer, step), path)
         expected[path] = {k: v.clone() for k, v in model.state_dict().items()}
-        usage.append(_disk_usage(tmp_path))
+        usage.append(disk_usage(tmp_path))
         result = io.last_save
         frozen_bytes = sum(v.nbytes for k, v in model.state_dict().items() if k.startswith(("0.", "1.")))
         assert result.reused_bytes == (0 if step == 0 else os.path.getsize(path / "model-stable-00001-of-00001.safetensors"))
@@ -262,16 +251,10 @@ def test_frozen_backbone_saves_write_only_the_head_and_optimizer(tmp_path):
 
 def assert_each_complete_alone(folder, expected: dict) -> None:
     """Each checkpoint in ``expected`` (path -> state dict) verifies and loads bit for bit once
-    every other one is deleted: tried on a hard-linked copy of ``folder`` per checkpoint."""
-    for keep in expected:
-        alone = folder.parent / f"{folder.name}-alone"
-        shutil.copytree(folder, alone, copy_function=os.link)
-        for other in expected:
-            if other != keep:
-                shutil.rmtree(alone / other.name)
-        lc.verify_checkpoint(alone / keep.name)
-        assert _equal(lc.load_checkpoint(alone / keep.name)["state_dict"], expected[keep])
-        shutil.rmtree(alone)
+    every other one is deleted."""
+    for _, alone in each_alone(folder, [path.name for path in expected]):
+        lc.verify_checkpoint(alone)
+        assert _equal(lc.load_checkpoint(alone)["state_dict"], expected[folder / os.path.basename(alone)])
 
 
 def test_changes_to_frozen_tensors_are_written(tmp_path):
