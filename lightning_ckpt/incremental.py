@@ -18,8 +18,8 @@ parameters and state without bumping their counters (torch 2.13): a post-step ho
 optimizer bumps them (``track_optimizer_steps``). What the counter still cannot see are writes
 that bypass PyTorch's autograd bookkeeping outside an optimizer step (through ``tensor.data``,
 ``numpy()``, DLPack, a custom kernel's raw pointer, an optimizer that is no
-``torch.optim.Optimizer``): code that changes saved tensors that way saves with
-``incremental=False``.
+``torch.optim.Optimizer``, a ``torch.distributed`` collective into the tensor such as
+``dist.broadcast(t)``): code that changes saved tensors that way saves with ``incremental=False``.
 Blobs without a trackable state (views spanning several tensors, inference tensors) are always
 written.
 

@@ -163,7 +163,8 @@ class ShardedCheckpointIO(CheckpointIO):
             Frozen weights are kept in shards of their own (``model-stable-*``) when the plugin
             knows them (``track_frozen``; ``ShardedModelCheckpoint`` tells it). On by default;
             pass ``False`` if your code changes saved tensors in place behind PyTorch's back
-            (through ``.data``, ``.numpy()`` or DLPack), which no version counter sees.
+            (through ``.data``, ``.numpy()``, DLPack or a ``torch.distributed`` collective such as
+            ``dist.broadcast(t)``), which no version counter sees.
 
     Call order and ranks: Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0
     only, ``load_checkpoint`` and ``teardown`` on every rank; none of them runs a collective.
