@@ -15,7 +15,8 @@ from lightning_ckpt import reader, remote, savejob
 from lightning_ckpt.compile import load_hooks_on_compiled_submodules
 from lightning_ckpt.errors import CheckpointNotFoundError
 from lightning_ckpt.plan import parse_size
-from lightning_ckpt.writer import ShardWriter, WriteResult
+from lightning_ckpt.shards import ShardWriter
+from lightning_ckpt.writer import WriteResult
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
 _T = TypeVar("_T")

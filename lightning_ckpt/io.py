@@ -44,9 +44,10 @@ from lightning_ckpt.plan import parse_size
 from lightning_ckpt.saver import AsyncSaver, Outcomes, SyncSaver
 from lightning_ckpt.saver import Pending as _Pending  # tests stand in for a pending save with one
 from lightning_ckpt.savejob import Prepared
+from lightning_ckpt.shards import ShardWriter
 from lightning_ckpt.staging import StagingPool
 from lightning_ckpt.worker import WriterProcess
-from lightning_ckpt.writer import ShardWriter, WriteResult
+from lightning_ckpt.writer import WriteResult
 
 __all__ = [
     "CheckpointIOFeatures",

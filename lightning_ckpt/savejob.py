@@ -31,7 +31,8 @@ import torch
 
 from lightning_ckpt import parts, remote, writer
 from lightning_ckpt.plan import Plan, make_plan
-from lightning_ckpt.writer import ImageSource, ShardWriter, WriteResult, write_checkpoint
+from lightning_ckpt.shards import ShardWriter
+from lightning_ckpt.writer import ImageSource, WriteResult, write_checkpoint
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,10 @@ from lightning_ckpt import remote, savejob, staging
 from lightning_ckpt.errors import CheckpointWriteError
 from lightning_ckpt.plan import OPTIMIZER_COMPONENT, Blob
 from lightning_ckpt.savejob import Destination, Prepared
+from lightning_ckpt.shards import ShardWriter
 from lightning_ckpt.staging import StagingPool
 from lightning_ckpt.worker import WriterProcess
-from lightning_ckpt.writer import ShardWriter, WriteResult
+from lightning_ckpt.writer import WriteResult
 
 
 class Outcomes:

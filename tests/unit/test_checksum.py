@@ -14,7 +14,7 @@ import xxhash
 import lightning_ckpt as lc
 from lightning_ckpt import manifest as fmt
 from lightning_ckpt import reader
-from lightning_ckpt.writer import ShardWriter
+from lightning_ckpt.shards import ShardWriter
 
 
 def test_algorithms():

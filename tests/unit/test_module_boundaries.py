@@ -19,7 +19,6 @@ MAX_LINES = 600
 # when a module shrinks; remove its entry once it fits.
 OVERSIZE = {
     "callback.py": 850,
-    "writer.py": 800,
     "offload/adamw.py": 660,
     "offload/strategy.py": 615,  # ChunkedOffloadStrategy: 611 lines as it was added
     "reader.py": 610,
