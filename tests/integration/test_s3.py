@@ -123,7 +123,7 @@ def test_killed_writer_commits_nothing_and_the_next_save_cleans_up(s3):
     while not _multipart_uploads(fs, prefix) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _multipart_uploads(fs, prefix), "no multipart upload began"
-    io._worker.kill()  # the writer dies mid-upload
+    io.async_saver.worker.kill()  # the writer dies mid-upload
     server.faults.clear()
     with pytest.raises(lc.CheckpointWriteError):
         io.wait()
