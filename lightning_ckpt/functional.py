@@ -40,7 +40,7 @@ def save_checkpoint(
 
     ``path`` may be an fsspec URL (``s3://bucket/run/x.ckpt``; ``storage_options`` go to its
     filesystem): the checkpoint is committed in a temporary local folder, then published (see
-    ``remote.py``)."""
+    ``remote.commit``)."""
     prepared = savejob.prepare(checkpoint, parse_size(max_shard_size))
     target = os.fspath(path) if remote.is_remote(path) else savejob.local_path(path)
     destination = savejob.Destination.resolve(target, remote.RemoteOptions(storage_options or {}))

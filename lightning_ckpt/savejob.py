@@ -69,7 +69,7 @@ class Destination:
 
     def publish(self) -> remote.Published:
         """Upload the committed ``commit_dir`` to ``path``; the spool is removed, a local-tier copy
-        marked published and its folder pruned (see ``remote.publish_committed``)."""
+        marked published and its folder pruned (see ``remote.tier.publish_committed``)."""
         assert self.options is not None, "only a remote destination is published"
         return remote.publish_committed(self.commit_dir, self.path, self.options, self.spool)
 
