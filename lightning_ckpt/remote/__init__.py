@@ -5,8 +5,8 @@ published. Three jobs, data flowing down this list:
 
 * ``tier``: the local tier (a local copy of each remote checkpoint, or a spool folder), the
   ``Uploader`` thread of synchronous saves, the local copy a load reads;
-* ``commit``: publishing and the commit: generations and the ``CURRENT`` pointer, reading what is committed,
-  removal and the clean-up of interrupted saves;
+* ``commit``: publishing and the commit: generations and the ``CURRENT`` pointer, reading what
+  is committed, removal and the clean-up of interrupted saves;
 * ``transfer``: streaming one object up or down (codecs, digests, retries) and ``RemoteOptions``.
 
 This package re-exports the names the rest of lightning_ckpt and users use; patch a module's own
