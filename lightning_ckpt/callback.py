@@ -44,7 +44,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
@@ -64,7 +63,7 @@ from lightning_ckpt.records import SaveRecorder, features, saves_async
 from lightning_ckpt.remote import is_remote, url_key
 from lightning_ckpt.resume import last_good, listing
 from lightning_ckpt.schedule import TimeSchedule
-from lightning_ckpt.strategies import enable_sharded_resume, save_sharded, sharded_io
+from lightning_ckpt.strategies import enable_sharded_resume, prepare_staging, save_from_ranks, sharded_io
 from lightning_ckpt.writer import link_checkpoint
 
 # Checkpoint paths known to exist, per folder (see the module docstring); shared by instances
@@ -175,7 +174,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         self.empty_cuda_cache = empty_cuda_cache
         self.release_threshold_mb = release_threshold_mb
         self._memory_after_save: MemoryStats | None = None  # allocator counters at the previous save
-        self._staging_prepared = False  # once per fit (see ``_prepare_staging``)
+        self._staging_prepared = False  # once per fit (see ``strategies.prepare_staging``)
         self._overlap = False  # inside ``_between_steps``
         self.metrics_file = metrics_file
         self.plot = plot
@@ -266,7 +265,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         interval = self._train_time_interval
         if not self._staging_prepared and trainer.global_step > 0:
             self._staging_prepared = True  # after the first optimizer step: its state exists now
-            _prepare_staging(trainer, pl_module)
+            prepare_staging(trainer, pl_module)
         with self._save_step(trainer), self._between_steps(trainer):
             if interval is None:
                 super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -459,7 +458,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             before = memory_stats()
             start = time.perf_counter()
             with io.overlapping() if io is not None and self._overlap else contextlib.nullcontext():
-                _write(trainer, filepath, self.save_weights_only)
+                save_from_ranks(trainer, filepath, self.save_weights_only)
             stall = time.perf_counter() - start
             after = memory_stats()  # with ``before``: what the save call left behind
             if trainer.is_global_zero and io is not None and io.skipped_saves != skipped_before:
@@ -524,17 +523,6 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             self._recorder.finish(trainer, self._releaser, self.verbose, self.dirpath, self.metrics_file, self.plot)
 
 
-def _write(trainer: pl.Trainer, filepath: str, weights_only: bool) -> None:
-    """``Trainer.save_checkpoint`` on any number of ranks, without its per-file barrier (see the
-    module docstring; in one process it is a no-op)."""
-    with trainer.profiler.profile("save_checkpoint"):
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only)
-        # Sharded state (FSDP2 / tensor parallel) and DDP on one node: every rank writes its part;
-        # the full state FSDP / ModelParallelStrategy gathered: rank 0 writes it (see save_sharded).
-        if not save_sharded(trainer.strategy, checkpoint, filepath):
-            trainer.strategy.save_checkpoint(checkpoint, filepath)
-
-
 def _training_step_follows(trainer: pl.Trainer) -> bool:
     """In ``on_train_batch_end``: is the next thing to run another training step (not validation,
     not the end of the epoch or of training)? Then nothing but ``optimizer.step()`` changes the
@@ -546,25 +534,6 @@ def _training_step_follows(trainer: pl.Trainer) -> bool:
         return not epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
     except Exception:
         return False
-
-
-def _prepare_staging(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    """Let an async plugin fault in (and page-lock) its staging pool in the background now, long
-    before the first save, sized for this rank's state. Skipped for spread DDP writes (each rank
-    stages a part only the plan knows)."""
-    io = trainer.strategy.checkpoint_io
-    if not saves_async(io):
-        return
-    if trainer.world_size > 1 and not isinstance(trainer.strategy, (ModelParallelStrategy, FSDPStrategy)):
-        return
-    # Parameters and buffers, not ``state_dict()``: under FSDP (1) that would gather every full
-    # parameter onto every rank; these are this rank's shards (FSDP1's flat parameters, FSDP2's
-    # DTensors) and count tied weights once.
-    tensors = [*pl_module.parameters(), *pl_module.buffers()]
-    for optimizer in trainer.optimizers:
-        tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    local = [getattr(t, "_local_tensor", t) for t in tensors]
-    io.prepare_staging(sum(t.nbytes for t in local), on_device=any(t.is_cuda for t in local))
 
 
 def _can_skip(io: Any) -> bool:
