@@ -31,7 +31,8 @@ import torch
 
 from lightning_ckpt import parts, remote, writer
 from lightning_ckpt.plan import Plan, make_plan
-from lightning_ckpt.writer import ImageSource, ShardWriter, WriteResult, write_checkpoint
+from lightning_ckpt.shards import ShardWriter
+from lightning_ckpt.writer import ImageSource, WriteResult, write_checkpoint
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class Destination:
 
     def publish(self) -> remote.Published:
         """Upload the committed ``commit_dir`` to ``path``; the spool is removed, a local-tier copy
-        marked published and its folder pruned (see ``remote.publish_committed``)."""
+        marked published and its folder pruned (see ``remote.tier.publish_committed``)."""
         assert self.options is not None, "only a remote destination is published"
         return remote.publish_committed(self.commit_dir, self.path, self.options, self.spool)
 
