@@ -255,7 +255,8 @@ def run_strategy(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     from lightning_ckpt import ChunkedAdamW
     from lightning_ckpt.offload.placement import OffloadBudgetError
-    from lightning_ckpt.offload.strategy import _Streamer
+    from lightning_ckpt.offload.streamer import Streamer
+    from lightning_ckpt.offload.streams import HostStreams
 
     layer_bytes = (args.width * args.width + args.width) * 4 + 128  # one chunk per layer (aligned)
     rows = []
@@ -273,7 +274,9 @@ def run_strategy(args: argparse.Namespace) -> list[dict[str, Any]]:
                 units = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
                 budget = int(sum(p.numel() * 4 for p in model.parameters()) * args.budget_fraction)
                 try:
-                    streamer = _Streamer(units, list(model.parameters()), layer_bytes, budget, args.prefetch, torch.device("cpu"))
+                    streamer = Streamer(
+                        units, list(model.parameters()), layer_bytes, budget, args.prefetch, torch.device("cpu"), HostStreams()
+                    )
                 except OffloadBudgetError as exc:
                     rows.append({"contender": name, "error": str(exc)})
                     break

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lightning_ckpt.offload.placement import OffloadBudgetError, Unit, plan_offload
-from lightning_ckpt.offload.strategy import _Streamer
+from lightning_ckpt.offload.streamer import Streamer
+from lightning_ckpt.offload.streams import HostStreams
 
 # Four units of one 100-byte chunk each, and chunk 4 (50 bytes) that no unit holds.
 CHUNKS = [100, 100, 100, 100, 50]
@@ -64,12 +65,12 @@ def test_plans_stay_within_the_budget():
         assert all(chunks[c] <= plan.slot_bytes for c in streamed)
 
 
-def two_layers() -> tuple[list[torch.nn.Linear], _Streamer]:
+def two_layers() -> tuple[list[torch.nn.Linear], Streamer]:
     torch.manual_seed(0)
     layers = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
     # 64 + 64 bytes per layer (weight, bias padded): one 128-byte chunk each; 200 bytes: one slot.
     params = [p for layer in layers for p in layer.parameters()]
-    streamer = _Streamer([("a", layers[0]), ("b", layers[1])], params, 128, 200, 0, torch.device("cpu"))
+    streamer = Streamer([("a", layers[0]), ("b", layers[1])], params, 128, 200, 0, torch.device("cpu"), HostStreams())
     return layers, streamer
 
 
@@ -129,7 +130,7 @@ def test_prefetch_order_and_eviction_after_the_warm_up():
     layers = [torch.nn.Linear(4, 4) for _ in range(4)]
     model = torch.nn.Sequential(*layers)
     # One 128-byte chunk per layer; the warm-up traces 240 bytes of activations: two slots fit.
-    streamer = _Streamer([(str(i), m) for i, m in enumerate(layers)], list(model.parameters()), 128, 584, 2, torch.device("cpu"))
+    streamer = Streamer([(str(i), m) for i, m in enumerate(layers)], list(model.parameters()), 128, 584, 2, torch.device("cpu"), HostStreams())
     held: list[list[int | None]] = []
     for layer in layers:  # registered after the streamer's hooks: sees the slots after each fetch
         layer.register_forward_pre_hook(lambda module, args: held.append(list(streamer.holder)))
