@@ -106,6 +106,8 @@ class Streamer:
         self.warming_up = True
         self._chunk_bytes_arg = chunk_bytes
         self.grads: Optional[HostGrads] = None
+        self._last_copy: Any = None  # the event of the last copy into device memory
+        self._idle: Any = None  # the event after which no kernel issued so far reads device memory
         self._finish_queued = False
         self._pack(params)
         self.plan: OffloadPlan = self._plan()  # raises OffloadBudgetError before anything runs
@@ -200,8 +202,7 @@ class Streamer:
         self._stable_ptrs = {b.data_ptr() for b in self.resident.values()} | {h.data_ptr() for h in self.host}
         self.holder: list[int | None] = [None] * plan.slots  # chunk in each slot
         # Per slot: the event after the last kernel that read it (the next copy into it waits).
-        self.released: list[Any] = [None] * plan.slots
-        self._idle: Any = None  # the event after which no kernel reads the device memory
+        self.released: list[Any] = [self._idle] * plan.slots
         self.slot_of: dict[int, int] = {}  # chunk -> slot
         self.pins: dict[int, int] = {}  # chunk -> pin count (pinned: a kernel may still read it)
         self._backward_pins: list[int] = []
@@ -217,7 +218,7 @@ class Streamer:
         for optimizer in self.optimizers:
             optimizer.wait()
         self.release_all()
-        self.streams.synchronize(self.streams.record(("idle",)))  # nothing reads the device memory now
+        self.streams.synchronize(self._idle)  # nothing reads the device memory now: it can go
         self.resident = {}
         self.slots = []
 
@@ -266,7 +267,8 @@ class Streamer:
         for optimizer in self.optimizers:
             optimizer.wait_for(params)
         with torch.no_grad():
-            self.fetched[chunk] = self.streams.copy_in(buffer, self.host[chunk], after, label=("fetch", chunk, where))
+            event = self.streams.copy_in(buffer, self.host[chunk], after, label=("fetch", chunk, where))
+        self.fetched[chunk] = self._last_copy = event
         self.h2d_bytes += self.chunk_nbytes[chunk]
         self._point(chunk, buffer)
 
@@ -424,6 +426,10 @@ class Streamer:
         every slot released, every parameter and gradient in host memory."""
         self._finish_queued = False
         self.release_all()
+        if self._last_copy is not None:
+            # A prefetch nothing used may still read a host chunk the optimizer writes next.
+            self.streams.synchronize(self._last_copy)
+            self._last_copy = None
         assert self.grads is not None
         self.grads.finish()
 

@@ -301,3 +301,49 @@ def test_a_chunk_shared_by_two_units_waits_for_both_steps():
     assert model.losses == reference.losses
     assert_same(model, reference)
     assert strategy.memory_stats()["streamed_chunks"] > 0
+
+
+class SlowCopies(Callback):
+    """Every copy between host chunks and the stand-in device runs late, on a thread of its own
+    (``HostStreams.copy_delay``), and is logged: a use that does not wait for its fetch reads the
+    slot's previous chunk."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple] = []
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        streams = trainer.strategy._streamer.streams
+        streams.copy_delay = 0.002
+        streams.log = self.entries
+
+
+def test_delayed_copies_are_waited_for_and_slots_released_before_reuse():
+    _, reference = fit()
+    slow = SlowCopies()
+    strategy = offload(prefetch=2)
+    _, model = fit(strategy, callbacks=[slow])
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    copies = [e for e in slow.entries if e[0] == "copy_in" and isinstance(e[3][2], int)]
+    assert len(copies) > 6 * strategy.memory_stats()["slots"]  # slots were reused many times
+    last_copy: dict[int, int] = {}  # chunk -> event of its last copy
+    last_use: dict[int, int] = {}  # slot -> log position of the last use of what it holds
+    release: dict[int, tuple[int, int]] = {}  # slot -> (log position, event) of its last release
+    for i, entry in enumerate(slow.entries):
+        kind, event = entry[0], entry[1]
+        if kind == "copy_in":
+            _, chunk, slot = entry[3]
+            if isinstance(slot, int) and slot in last_use:
+                # Never overwritten while a kernel may read it: after the release that follows its last use.
+                assert slot in release and release[slot][0] > last_use[slot], entry
+                assert entry[2] == release[slot][1], entry
+            last_copy[chunk] = event
+        elif kind == "wait":
+            _, chunk, slot = entry[2]
+            assert event == last_copy[chunk], entry  # a use waits for the copy of that chunk
+            if isinstance(slot, int):
+                last_use[slot] = i
+        elif kind == "record" and entry[2][0] == "release":
+            release[entry[2][2]] = (i, event)
+        elif kind == "record" and entry[2][0] == "idle":
+            release.update({slot: (i, event) for slot in range(strategy.memory_stats()["slots"])})
