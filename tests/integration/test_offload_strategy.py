@@ -177,6 +177,17 @@ def test_a_budget_below_one_unit_fails_at_setup_naming_the_unit_and_bytes():
         fit(strategy)
 
 
+def test_more_than_one_device_fails_at_setup_naming_the_devices():
+    with pytest.raises(ValueError, match=r"trains on one device, but the Trainer was given 2 .*Pass `devices=1`"):
+        fit(offload(), devices=2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a process without CUDA")
+def test_a_cuda_device_without_cuda_fails_at_setup():
+    with pytest.raises(ValueError, match=r"device='cuda:0'\): CUDA is not available"):
+        fit(offload(device="cuda:0"))
+
+
 def test_unit_types_fetch_a_whole_block_as_one_unit():
     strategy = lc.ChunkedOffloadStrategy(device_memory_budget="10MB", chunk_size="66KiB", unit_types=[torch.nn.ModuleList])
     _, reference = fit()

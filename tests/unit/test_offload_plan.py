@@ -125,6 +125,29 @@ def test_configuration_errors_name_the_argument(options, message):
         ChunkedOffloadStrategy(**options)
 
 
+def test_a_device_other_than_cuda_or_cpu_is_refused_at_construction():
+    from lightning_ckpt import ChunkedOffloadStrategy
+
+    with pytest.raises(ValueError, match=r"ChunkedOffloadStrategy\(device='mps'\): only CUDA devices"):
+        ChunkedOffloadStrategy(device="mps")
+
+
+def test_host_streams_run_late_copies_in_order_after_what_they_wait_for():
+    streams = HostStreams()
+    streams.copy_delay = 0.01
+    streams.log = []
+    src, dst = torch.arange(4.0), torch.zeros(4)
+    release = streams.record(("release", 0, 0))
+    first = streams.copy_in(dst, src, after=release, label="a")
+    second = streams.copy_in(dst, src + 1, after=None, label="b")
+    assert not first.query()  # still on the copy thread: a use must wait for it
+    streams.wait(second, label="use")
+    assert first.query() and torch.equal(dst, src + 1)  # in issue order, like a stream
+    assert [e[0] for e in streams.log] == ["record", "copy_in", "copy_in", "wait"]
+    assert streams.log[1][2] == release.id
+    streams.close()
+
+
 def test_prefetch_order_and_eviction_after_the_warm_up():
     torch.manual_seed(0)
     layers = [torch.nn.Linear(4, 4) for _ in range(4)]
