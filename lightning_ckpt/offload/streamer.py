@@ -132,7 +132,10 @@ class Streamer:
         # plan_chunks packs elements; each element here is a byte (sizes and offsets are bytes,
         # each parameter padded to ALIGN so every dtype views its place).
         self.chunk_nbytes = [spec.numel for spec in layout.chunks]
-        self.host = [torch.empty(n, dtype=torch.uint8, pin_memory=self.device.type == "cuda") for n in self.chunk_nbytes]
+        # One ALIGN more than the chunk: no parameter is ever the whole of its storage, so
+        # ChunkedAdamW leaves it here (it moves only parameters that own their memory).
+        pin = self.device.type == "cuda"
+        self.host = [torch.empty(n + ALIGN, dtype=torch.uint8, pin_memory=pin)[:n] for n in self.chunk_nbytes]
         self.chunk_of: dict[int, int] = {}
         places = [(0, 0)] * len(params)
         with torch.no_grad():

@@ -358,3 +358,19 @@ def test_delayed_copies_are_waited_for_and_slots_released_before_reuse():
             release[entry[2][2]] = (i, event)
         elif kind == "record" and entry[2][0] == "idle":
             release.update({slot: (i, event) for slot in range(strategy.memory_stats()["slots"])})
+
+
+
+class ArenaCheck(Callback):
+    """After setup (the optimizer built), before any step: where each parameter's data lies."""
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.in_arena = [trainer.optimizers[0]._arena.holds(p) for p in pl_module.parameters()]
+
+
+def test_chunkedadamw_leaves_parameters_in_the_host_chunks():
+    # A chunk holding one parameter of exactly its size (a layer's weight): ChunkedAdamW must not
+    # take the parameter into its own arena (the strategy's fetches read the host chunk).
+    check = ArenaCheck()
+    fit(lc.ChunkedOffloadStrategy(device_memory_budget="10MB", chunk_size=WIDTH * WIDTH * 4), max_steps=1, callbacks=[check])
+    assert check.in_arena and not any(check.in_arena)
