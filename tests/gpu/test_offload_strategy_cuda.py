@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch import Callback, LightningModule, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from models import fit_chunked, trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_ckpt as lc
@@ -68,17 +69,14 @@ def fit(strategy=None, max_steps: int = 6, callbacks=(), ckpt_path=None, dirpath
     callbacks = list(callbacks)
     if dirpath is not None:
         callbacks.append(ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1))
-    kwargs = dict(
-        accelerator="gpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
+    # deterministic=False: torch's deterministic mode refuses cuBLAS without CUBLAS_WORKSPACE_CONFIG;
+    # the kernels used here are deterministic on one device anyway.
+    kwargs = trainer_kwargs(
+        accelerator="gpu", deterministic=False, max_steps=max_steps, callbacks=callbacks,
         enable_checkpointing=dirpath is not None,
     )
-    if strategy is not None:
-        kwargs["strategy"] = strategy
     kwargs.update(overrides)
-    trainer = Trainer(**kwargs)
-    trainer.fit(model, ckpt_path=ckpt_path)
-    trainer.optimizers[0].wait()
+    trainer = fit_chunked(model, strategy, ckpt_path, **kwargs)
     torch.cuda.synchronize()
     return trainer, model
 

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
-from models import cli_trainer_yaml, trainer_kwargs
+from models import cli_trainer_yaml, fit_chunked, trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_ckpt as lc
@@ -82,12 +82,8 @@ def fit(strategy=None, max_steps: int = 6, frozen: bool = False, ckpt_path=None,
     model = Stack(frozen=frozen, blocks=blocks, compiled=compiled)
     callbacks = [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1)] if dirpath else []
     kwargs = trainer_kwargs(max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(dirpath))
-    if strategy is not None:
-        kwargs["strategy"] = strategy
     kwargs.update(overrides)
-    trainer = Trainer(**kwargs)
-    trainer.fit(model, ckpt_path=ckpt_path)
-    trainer.optimizers[0].wait()
+    trainer = fit_chunked(model, strategy, ckpt_path, **kwargs)
     return trainer, model
 
 
