@@ -30,24 +30,24 @@ from lightning_ckpt.offload.streams import Streams
 
 
 class HostGrads:
-    """Host gradient buffers of a chunk layout (pinned when the device is CUDA)."""
+    """The host gradient buffers of a chunk layout (page-locked when the device is CUDA)."""
 
     def __init__(
         self,
         streams: Streams,
         params: Sequence[torch.nn.Parameter],
         places: Sequence[tuple[int, int]],
-        chunk_nbytes: Sequence[int],
+        buffers: dict[int, torch.Tensor],
         pin: bool,
     ) -> None:
-        """``places[i]``: (chunk, byte offset) of ``params[i]``."""
+        """``places[i]``: (chunk, byte offset) of ``params[i]``; ``buffers``: the gradient buffer
+        (bytes, laid out as the chunk) of each chunk holding a parameter that requires grad;
+        ``pin``: page-lock the staging tensors of accumulated gradients."""
         self._streams = streams
         self._pin = pin
-        needed = {chunk for p, (chunk, _) in zip(params, places) if p.requires_grad}
-        buffers = {c: torch.empty(chunk_nbytes[c], dtype=torch.uint8, pin_memory=pin) for c in sorted(needed)}
         self._view: dict[int, torch.Tensor] = {}  # id(parameter) -> its view of a buffer
         for p, (chunk, offset) in zip(params, places):
-            if chunk in buffers:
+            if chunk in buffers and p.requires_grad:
                 n = p.numel() * p.element_size()
                 self._view[id(p)] = buffers[chunk][offset : offset + n].view(p.dtype).view(p.shape)
         self._params = {id(p): p for p in params}

@@ -56,6 +56,7 @@ from lightning_ckpt.offload.chunks import plan_chunks
 from lightning_ckpt.offload.gradients import HostGrads
 from lightning_ckpt.offload.placement import OffloadPlan, Unit, plan_offload
 from lightning_ckpt.offload.streams import Streams
+from lightning_ckpt.staging import StagingPool
 
 ALIGN = 64  # bytes; every slot and chunk offset is a multiple (any dtype views it)
 
@@ -106,6 +107,7 @@ class Streamer:
         self.warming_up = True
         self._chunk_bytes_arg = chunk_bytes
         self.grads: Optional[HostGrads] = None
+        self._pool: Optional[StagingPool] = None  # the memory of the host chunks and gradients
         self._last_copy: Any = None  # the event of the last copy into device memory
         self._idle: Any = None  # the event after which no kernel issued so far reads device memory
         self._finish_queued = False
@@ -132,25 +134,41 @@ class Streamer:
         # plan_chunks packs elements; each element here is a byte (sizes and offsets are bytes,
         # each parameter padded to ALIGN so every dtype views its place).
         self.chunk_nbytes = [spec.numel for spec in layout.chunks]
-        # One ALIGN more than the chunk: no parameter is ever the whole of its storage, so
-        # ChunkedAdamW leaves it here (it moves only parameters that own their memory).
-        pin = self.device.type == "cuda"
-        self.host = [torch.empty(n + ALIGN, dtype=torch.uint8, pin_memory=pin)[:n] for n in self.chunk_nbytes]
         self.chunk_of: dict[int, int] = {}
         places = [(0, 0)] * len(params)
+        for spec in layout.chunks:
+            for slot in spec.slots:
+                places[slot.param] = (spec.index, slot.offset)
+        graded = sorted({c for p, (c, _) in zip(params, places) if p.requires_grad})
+        # Host chunks, then the gradient buffers of the chunks that get gradients: one buffer of
+        # the staging pool's kind, page-locked on CUDA with cudaHostRegister (torch's pinned
+        # allocator would round each chunk up to a power of two). No parameter is ever the whole
+        # of its storage, so ChunkedAdamW leaves it here (it moves only those owning their memory).
+        sizes = [*self.chunk_nbytes, *(self.chunk_nbytes[c] for c in graded)]
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + aligned(n))
+        old_pool, self._pool = self._pool, StagingPool()
+        self._pool.reserve(max(starts[-1], ALIGN), pin=self.device.type == "cuda")
+        self._pool.wait_writable(starts[-1])
+        memory = torch.frombuffer(self._pool.buffer, dtype=torch.uint8)
+        regions = [memory[start : start + n] for start, n in zip(starts, sizes)]
+        self.host = regions[: len(self.chunk_nbytes)]
+        grad_buffers = dict(zip(graded, regions[len(self.chunk_nbytes) :]))
         with torch.no_grad():
             for spec in layout.chunks:
                 for slot in spec.slots:
                     p = params[slot.param]
                     self.chunk_of[id(p)] = spec.index
-                    places[slot.param] = (spec.index, slot.offset)
                     view = self._view(self.host[spec.index], slot.offset, p)
                     view.copy_(p.detach())
                     p.data = view
-        old, self.grads = self.grads, HostGrads(self.streams, params, places, self.chunk_nbytes, pin=self.device.type == "cuda")
+        old, self.grads = self.grads, HostGrads(self.streams, params, places, grad_buffers, pin=self.device.type == "cuda")
         if old is not None:
             self.grads.adopt(old)
             self.d2h_bytes += old.d2h_bytes
+        if old_pool is not None:
+            old_pool.close()  # page-locking ends; nothing views it any longer but ``old``'s tensors
         self.units = [
             Unit(name, tuple(sorted({self.chunk_of[id(p)] for p in ps})))
             for (name, _), ps in zip(self.unit_modules, self.unit_params)
@@ -504,6 +522,9 @@ class Streamer:
     def close(self) -> None:
         self._unapply()
         self.streams.close()
+        if self._pool is not None:
+            # Unregistered, not unmapped: the parameters keep viewing the host chunks.
+            self._pool.close()
         for handle in self._handles:
             handle.remove()
 
