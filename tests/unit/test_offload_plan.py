@@ -148,6 +148,29 @@ def test_host_streams_run_late_copies_in_order_after_what_they_wait_for():
     streams.close()
 
 
+def test_host_grads_add_arrivals_and_earlier_gradients_as_autograd_does():
+    from lightning_ckpt.offload.gradients import HostGrads
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    grads = HostGrads(HostStreams(), [p], [(0, 0)], {0: buffer}, pin=False)
+    a, b, c = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.1, 0.2, 0.3]), torch.tensor([7.0, 8.0, 9.0])
+    grads.begin()
+    for g in (a, b):  # a parameter whose gradient accumulator autograd made twice in one backward
+        p.grad = g.clone()
+        grads.arrive(p)
+        assert p.grad is None  # the device gradient is gone; the host buffer has it
+    grads.finish()
+    assert torch.equal(p.grad, a + b) and p.grad.data_ptr() == buffer.data_ptr()
+    grads.begin()  # gradient accumulation: the next backward adds to it
+    assert p.grad is None
+    p.grad = c.clone()
+    grads.arrive(p)
+    grads.finish()
+    assert torch.equal(p.grad, (a + b) + c) and p.grad.data_ptr() == buffer.data_ptr()
+    assert grads.d2h_bytes == 3 * 12
+
+
 def test_prefetch_order_and_eviction_after_the_warm_up():
     torch.manual_seed(0)
     layers = [torch.nn.Linear(4, 4) for _ in range(4)]
