@@ -398,10 +398,12 @@ def run_strategy_gpu(args: argparse.Namespace) -> list[dict[str, Any]]:
             model = _decoder(args)
             params = sum(p.numel() for p in model.parameters())
             streamer = None
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()  # the peak counts from here, every contender alike
             try:
                 if name == "ChunkedOffloadStrategy":  # the decoder has no buffers to move
                     streams = CudaStreams(device)
-                    torch.cuda.reset_peak_memory_stats()
+                    streams.reset_peak()  # as the strategy's setup does: the plan's own measurement
                     streamer = Streamer(_units(model), list(model.parameters()), parse_size(args.chunk_size, "--chunk-size"),
                                         budget, args.prefetch, device, streams)
                     optimizer: Any = ChunkedAdamW(model.parameters(), chunk_size=args.chunk_size)
@@ -415,8 +417,6 @@ def run_strategy_gpu(args: argparse.Namespace) -> list[dict[str, Any]]:
                 gen = torch.Generator(device=device).manual_seed(0)
                 tokens = torch.randint(0, args.vocab, (args.sequences, args.seq_len + 1), device=device, generator=gen)
                 torch.cuda.synchronize()
-                if streamer is None:
-                    torch.cuda.reset_peak_memory_stats()
 
                 def step() -> None:
                     hooks = nullcontext()
@@ -436,7 +436,7 @@ def run_strategy_gpu(args: argparse.Namespace) -> list[dict[str, Any]]:
 
                 step()  # the warm-up (the strategy's traced plan, state allocated) is not timed
                 seconds.append(_time_steps(step, args.steps, torch.cuda.synchronize))
-                peaks.append(torch.cuda.max_memory_allocated())
+                peaks.append(torch.cuda.max_memory_allocated() - base)
                 if streamer is not None:
                     stats = streamer.stats()
             except (OffloadBudgetError, torch.OutOfMemoryError) as exc:

@@ -181,6 +181,8 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
                 " (e.g. the transformer block) whose parameters are fetched together."
             )
         device = self.root_device
+        streams = streams_for(device)
+        streams.reset_peak()  # the allocator's peak (CUDA) counts from here, buffers included
         # Buffers are small and read anywhere: they go to the device as they are.
         for module in model.modules():
             for key, buffer in module._buffers.items():
@@ -190,10 +192,7 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
                 module._device = device  # `self.device` in the LightningModule: where its inputs go
         order = unique(p for _, m in units for p in m.parameters())
         params = unique([*order, *model.parameters()])
-        streams = streams_for(device)
-        budget = self._budget()
-        streams.reset_peak()  # the allocator's peak (CUDA) counts from here
-        self._streamer = Streamer(units, params, self.chunk_size, budget, self.prefetch, device, streams)
+        self._streamer = Streamer(units, params, self.chunk_size, self._budget(), self.prefetch, device, streams)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
@@ -263,7 +262,8 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
 
     def memory_stats(self) -> dict[str, int]:
         """Device accounting: ``device_memory_budget``, ``peak_device_bytes`` (on CUDA the
-        allocator's ``max_memory_allocated`` since setup, else this strategy's count),
+        allocator's ``max_memory_allocated`` since setup less what was allocated before it, else
+        this strategy's count),
         ``accounted_peak_bytes`` (this strategy's count: resident chunks + slots + saved
         activations), ``resident_chunks``, ``streamed_chunks``, ``slots``, ``slot_bytes``,
         ``resident_bytes``, ``activation_bytes``, ``h2d_bytes``, ``d2h_bytes`` (totals since setup;

@@ -150,6 +150,7 @@ class CudaStreams:
         self.h2d = torch.cuda.Stream(device)
         self.d2h = torch.cuda.Stream(device)
         self.copy_delay_cycles = 0  # tests: ``torch.cuda._sleep`` cycles on the copy stream before each copy
+        self._baseline = 0
         self.log: Optional[list[tuple[Any, ...]]] = None
 
     def _note(self, *entry: Any) -> None:
@@ -195,10 +196,13 @@ class CudaStreams:
         event.synchronize()
 
     def peak_bytes(self) -> Optional[int]:
-        return torch.cuda.max_memory_allocated(self.device)
+        """The allocator's peak since ``reset_peak``, less what was allocated then (another
+        model, an earlier run): the device memory of this run."""
+        return torch.cuda.max_memory_allocated(self.device) - self._baseline
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
+        self._baseline = torch.cuda.memory_allocated(self.device)
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)

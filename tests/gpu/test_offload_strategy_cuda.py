@@ -10,6 +10,8 @@ run is never compared with a CPU one. The model avoids kernels that are not dete
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, seed_everything
@@ -89,15 +91,18 @@ def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_streams_within_the_budget_and_equals_the_default_strategy(precision):
     _, reference = fit(precision=precision)
+    gc.collect()  # the reference run's optimizer and its device buffers
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
     strategy = offload()
     _, model = fit(strategy, precision=precision)
     assert model.losses == reference.losses
     assert_same(model, reference)
     stats = strategy.memory_stats()
     assert param_bytes() >= 2 * stats["device_memory_budget"]
-    # The device's own count: reset when the strategy placed the model.
+    # The device's own count: its peak was reset when the strategy placed the model.
     assert 0 < stats["peak_device_bytes"] <= stats["device_memory_budget"]
-    assert torch.cuda.max_memory_allocated() <= stats["device_memory_budget"]
+    assert torch.cuda.max_memory_allocated() - before <= stats["device_memory_budget"]
     assert stats["streamed_chunks"] > 0 and stats["h2d_bytes"] > 6 * stats["device_memory_budget"]
     assert stats["d2h_bytes"] >= 6 * param_bytes()  # every gradient left the device
     assert all(p.device.type == "cpu" and p.is_pinned() for p in model.parameters())  # host chunks
