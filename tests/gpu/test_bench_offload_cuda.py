@@ -44,10 +44,10 @@ def test_bench_offload_save_cuda_tiny(tmp_path: Path, monkeypatch) -> None:
 
 def test_bench_offload_strategy_cuda_tiny(tmp_path: Path) -> None:
     json_path = tmp_path / "strategy.json"
-    # 4 blocks of 12.6M bf16 parameters (25 MB each, one chunk each) under a 96 MB budget that
+    # 8 blocks of 12.6M bf16 parameters (25 MB each, one chunk each) under a 160 MB budget that
     # also holds cuBLAS workspaces and the activations: some blocks stream.
-    argv = ["--mode", "offload", "--strategy", "--device", "cuda", "--width", "1024", "--layers", "4", "--heads", "8",
-            "--vocab", "512", "--sequences", "2", "--seq-len", "128", "--budget", "96MB", "--chunk-size", "32MiB",
+    argv = ["--mode", "offload", "--strategy", "--device", "cuda", "--width", "1024", "--layers", "8", "--heads", "8",
+            "--vocab", "512", "--sequences", "2", "--seq-len", "128", "--budget", "160MB", "--chunk-size", "32MiB",
             "--steps", "2", "--repeats", "1", "--json", str(json_path)]
     assert bench.main(argv) == 0
     rows = {r["contender"]: r for r in json.loads(json_path.read_text())["results"]}
