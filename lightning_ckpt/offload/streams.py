@@ -56,9 +56,6 @@ class HostEvent:
         return self._done.is_set()
 
 
-Event = Union[HostEvent, "torch.cuda.Event"]
-
-
 class HostStreams:
     """The CPU standing in for the device (see the module docstring)."""
 
