@@ -20,6 +20,13 @@ Call order, per training step (the main thread unless said otherwise):
 
 A failure in the worker is raised at the next wait (the next forward or ``step()``) and stays: the
 state is no longer consistent (earlier chunks of that step were applied).
+
+Under ``ChunkedOffloadStrategy`` (CUDA or CPU) the parameters are views of the strategy's host
+chunks whenever the optimizer sees them (at construction and from the end of each backward), so
+this optimizer runs its CPU path: gradients arrive as host tensors (the strategy copied them out
+of the device), the write-back updates the host chunk, and the strategy fetches a chunk to the
+device only after ``wait_for`` its parameters. A parameter that views a larger buffer is never
+moved into the arena.
 """
 
 import weakref
