@@ -508,11 +508,11 @@ def run_save(args: argparse.Namespace) -> list[dict[str, Any]]:
                 step()
                 state = checkpoint()
                 arena = getattr(optimizer, "_arena", None)
-                copied, arena_bytes, on_write = plugin._pool.host_bytes_copied, getattr(arena, "snapshot_bytes", 0), getattr(arena, "copied_on_write", 0)
+                copied, arena_bytes, on_write = plugin.async_saver.pool.host_bytes_copied, getattr(arena, "snapshot_bytes", 0), getattr(arena, "copied_on_write", 0)
                 start = time.perf_counter()
                 plugin.save_checkpoint(state, os.path.join(folder, "measured.ckpt"))
                 measured["stall"].append(time.perf_counter() - start)
-                measured["copied"].append(plugin._pool.host_bytes_copied - copied)
+                measured["copied"].append(plugin.async_saver.pool.host_bytes_copied - copied)
                 measured["d2h"].append(sum(
                     t.numel() * t.element_size() for entry in state["optimizer_states"][0]["state"].values()
                     for t in entry.values() if isinstance(t, torch.Tensor) and t.device.type != "cpu"
