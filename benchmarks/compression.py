@@ -16,9 +16,9 @@ shard file holds it (the tensors' bytes back to back, in state-dict order):
 * ``step``: AdamW's 0-d step counters (a few hundred bytes; in a checkpoint, inside the
   ``optimizer`` files).
 
-Per component and zstd level (``--levels``), through the shipping code (``remote._encoder`` /
-``remote._decoded``: one zstd frame with its content checksum, one thread): the bytes
-are fed in ``remote._PIECE`` pieces, as ``_upload_s3`` reads them from the local file, and the
+Per component and zstd level (``--levels``), through the shipping code (``remote.transfer.encoder`` /
+``remote.transfer.decoded``: one zstd frame with its content checksum, one thread): the bytes
+are fed in ``remote.transfer.PIECE`` pieces, as ``_upload_s3`` reads them from the local file, and the
 compressed object is read back in ``upload_part_size`` reads (64 MiB) and decompressed in pieces, as ``_download`` does.
 Only the compressor and decompressor calls are timed (the reads, copies and hashing around them
 are not); both throughputs are in *uncompressed* MB per second. Every round trip is checked:
@@ -142,13 +142,13 @@ def round_trip(tensors: list[torch.Tensor], level: int) -> Metrics:
     """Compress ``tensors`` as the uploader does, decompress as the downloader does; sizes, the
     seconds of the codec calls alone, and whether the bytes came back."""
     from lightning_ckpt import manifest as fmt
-    from lightning_ckpt.remote import _PIECE, DEFAULT_PART_SIZE, _decoded, _encoder
+    from lightning_ckpt.remote import transfer
 
-    feed, finish = _encoder("zstd", level)
+    feed, finish = transfer.encoder("zstd", level)
     original, stored = fmt.hasher(), bytearray()
     raw = 0
     compress_s = 0.0
-    for piece in pieces(tensors, _PIECE):
+    for piece in pieces(tensors, transfer.PIECE):
         original.update(piece)
         raw += len(piece)
         start = time.perf_counter()
@@ -163,7 +163,7 @@ def round_trip(tensors: list[torch.Tensor], level: int) -> Metrics:
     restored = fmt.hasher()
     size = 0
     decompress_s = 0.0
-    decoded = _decoded(io.BytesIO(bytes(stored)), "zstd", DEFAULT_PART_SIZE)  # as a download reads the object
+    decoded = transfer.decoded(io.BytesIO(bytes(stored)), "zstd", transfer.DEFAULT_PART_SIZE)  # as a download reads the object
     while True:
         start = time.perf_counter()
         data = next(decoded, b"")
@@ -373,8 +373,8 @@ def render_table(report: dict[str, Any]) -> Any:
             f" {losses[-1]:.2f}); one thread, medians of {settings['repeats']}"
         ),
         caption=(
-            "ratio = raw / compressed; MB/s of uncompressed bytes through the codec calls alone (remote._encoder /"
-            f" _decoded); x {link / GB:g} GB/s = one stream's time with zstd / without, compression and transfer"
+            "ratio = raw / compressed; MB/s of uncompressed bytes through the codec calls alone (remote.transfer.encoder /"
+            f" decoded); x {link / GB:g} GB/s = one stream's time with zstd / without, compression and transfer"
             " overlapped (< 1: it pays); zeros = exactly-zero elements"
         ),
     )
@@ -558,8 +558,8 @@ def main(argv: list[str] | None = None) -> int:
             "e2e_level": args.e2e_level,
             "link_bytes_per_s": link,
             "zstandard": version("zstandard"),
-            "codec": "lightning_ckpt.remote._encoder / _decoder (one zstd frame with content checksum, one thread);"
-            " fed remote._PIECE bytes per call to compress, upload_part_size (64 MiB) per call to decompress",
+            "codec": "lightning_ckpt.remote.transfer.encoder / decoded (one zstd frame with content checksum, one thread);"
+            " fed remote.transfer.PIECE bytes per call to compress, upload_part_size (64 MiB) per call to decompress",
             "units": "MB = 1e6 bytes; MB/s = uncompressed bytes / seconds in the codec calls",
             "dir": directory,
         },

@@ -377,7 +377,7 @@ def _timed_load(path: str, load: Callable[[], None], rank: int) -> Metrics:
 
 
 def _writer_rss(io: Any) -> float | None:
-    pid = io._worker.pid
+    pid = io.async_saver.worker.pid
     if pid is None:
         return None
     return proc_status(pid).get("VmHWM", 0) / MB or None

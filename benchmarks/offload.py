@@ -21,6 +21,14 @@ the training thread, the device-to-host bytes of optimizer state, and the bytes 
 arena copied into the pool itself (in the background, or copy-on-write by the next steps, which
 run while the save is written).
 
+GPU strategy rows (``--strategy --device cuda``): whole training steps of a decoder (``--layers``
+pre-norm blocks of ``--width``, ``--heads``, ``--vocab``; bf16 parameters; each block recomputed in
+backward) on ``--sequences`` x ``--seq-len`` tokens, for the model resident on the GPU (with
+``ChunkedAdamW``; an out-of-memory error where it does not fit), FSDP2 ``CPUOffloadPolicy`` on one
+rank (``torch.optim.AdamW`` on the host) and ``ChunkedOffloadStrategy``'s streamer under
+``--budget`` (one unit per block, ``ChunkedAdamW``): step time, tokens/s, the allocator's peak,
+the strategy's plan and copied bytes, and the step time against the resident model.
+
 GPU rows (``--device cuda``): whole training steps (forward and backward under bf16 autocast,
 optimizer step) of a stack of ``--layers`` linear layers of ``--width`` on ``--batch`` rows, for
 AdamW on the GPU (fused), ``ChunkedAdamW``, FSDP2 ``fully_shard(offload_policy=CPUOffloadPolicy())``
@@ -62,7 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--width", type=int, default=4096, help="--device cuda: layer width")
     parser.add_argument("--layers", type=int, default=16, help="--device cuda: linear layers")
     parser.add_argument("--batch", type=int, default=8192, help="--device cuda: rows per step")
-    parser.add_argument("--strategy", action="store_true", help="CPU rows of ChunkedOffloadStrategy's overhead per training step")
+    parser.add_argument("--strategy", action="store_true", help="ChunkedOffloadStrategy's rows: overhead per step (CPU), the decoder under a budget (--device cuda)")
+    parser.add_argument("--budget", default="8GB", help="--strategy --device cuda: device_memory_budget")
+    parser.add_argument("--sequences", type=int, default=8, help="--strategy --device cuda: sequences per step")
+    parser.add_argument("--seq-len", type=int, default=2048, help="--strategy --device cuda: tokens per sequence")
+    parser.add_argument("--vocab", type=int, default=32000, help="--strategy --device cuda: vocabulary")
+    parser.add_argument("--heads", type=int, default=32, help="--strategy --device cuda: attention heads")
     parser.add_argument("--budget-fraction", type=float, default=0.34, help="--strategy: device budget / parameter bytes")
     parser.add_argument("--prefetch", type=int, default=2, help="--strategy: units fetched ahead")
     parser.add_argument("--save", action="store_true", help="rows of an async checkpoint save with ChunkedAdamW vs AdamW")
@@ -125,6 +138,23 @@ def stream_bandwidth(nbytes: int, repeats: int) -> float:
     return 3 * nbytes / (median(times) or float("inf"))
 
 
+def _fsdp2_offload(model: Any, modules: list[Any]) -> Any:
+    """``fully_shard(offload_policy=CPUOffloadPolicy())`` on each of ``modules`` (the root last), in
+    a one-rank NCCL process group made here once."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    if not dist.is_initialized():
+        path = os.path.join(os.getcwd(), ".bench-offload-store")
+        if os.path.exists(path):  # a FileStore left over from an earlier run would be joined
+            os.remove(path)
+        store = dist.FileStore(path, 1)
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    for module in modules:
+        fully_shard(module, offload_policy=CPUOffloadPolicy())
+    return model
+
+
 def _gpu_contenders(chunk_size: str) -> dict[str, Callable[[Any], tuple[Any, Any]]]:
     """name -> (model on the GPU) -> (model to train, optimizer)."""
     import torch
@@ -132,19 +162,7 @@ def _gpu_contenders(chunk_size: str) -> dict[str, Callable[[Any], tuple[Any, Any
     from lightning_ckpt import ChunkedAdamW
 
     def fsdp2(model: Any) -> tuple[Any, Any]:
-        import torch.distributed as dist
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
-        if not dist.is_initialized():
-            path = os.path.join(os.getcwd(), ".bench-offload-store")
-            if os.path.exists(path):  # a FileStore left over from an earlier run would be joined
-                os.remove(path)
-            store = dist.FileStore(path, 1)
-            dist.init_process_group("nccl", store=store, rank=0, world_size=1)
-        for layer in model:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer, offload_policy=CPUOffloadPolicy())
-        fully_shard(model, offload_policy=CPUOffloadPolicy())
+        model = _fsdp2_offload(model, [*(m for m in model if isinstance(m, torch.nn.Linear)), model])
         return model, torch.optim.AdamW(model.parameters())
 
     contenders = {
@@ -255,7 +273,8 @@ def run_strategy(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     from lightning_ckpt import ChunkedAdamW
     from lightning_ckpt.offload.placement import OffloadBudgetError
-    from lightning_ckpt.offload.strategy import _Streamer
+    from lightning_ckpt.offload.streamer import Streamer
+    from lightning_ckpt.offload.streams import HostStreams
 
     layer_bytes = (args.width * args.width + args.width) * 4 + 128  # one chunk per layer (aligned)
     rows = []
@@ -273,7 +292,9 @@ def run_strategy(args: argparse.Namespace) -> list[dict[str, Any]]:
                 units = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
                 budget = int(sum(p.numel() * 4 for p in model.parameters()) * args.budget_fraction)
                 try:
-                    streamer = _Streamer(units, list(model.parameters()), layer_bytes, budget, args.prefetch, torch.device("cpu"))
+                    streamer = Streamer(
+                        units, list(model.parameters()), layer_bytes, budget, args.prefetch, torch.device("cpu"), HostStreams()
+                    )
                 except OffloadBudgetError as exc:
                     rows.append({"contender": name, "error": str(exc)})
                     break
@@ -298,6 +319,150 @@ def run_strategy(args: argparse.Namespace) -> list[dict[str, Any]]:
                 streamer.close()
         else:
             rows.append({"contender": name, "step_seconds": seconds, "median_step_seconds": median(seconds), **(stats or {})})
+    resident = rows[0].get("median_step_seconds")
+    for row in rows:
+        if row.get("median_step_seconds") and resident:
+            row["vs_resident"] = row["median_step_seconds"] / resident
+    return rows
+
+
+def _decoder(args: argparse.Namespace) -> Any:
+    """A decoder of ``--layers`` pre-norm blocks (attention, 4x MLP) of ``--width``, bf16
+    parameters, each block recomputed in backward (activation checkpointing), on the CPU."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    width, heads = args.width, args.heads
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+            self.qkv = torch.nn.Linear(width, 3 * width, bias=False)
+            self.out = torch.nn.Linear(width, width, bias=False)
+            self.up = torch.nn.Linear(width, 4 * width, bias=False)
+            self.down = torch.nn.Linear(4 * width, width, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, heads, width // heads).transpose(1, 3).unbind(2)
+            attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.out(attention.transpose(1, 2).reshape(b, t, width))
+            return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+    class Decoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(args.vocab, width)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(args.layers))
+            self.norm = torch.nn.LayerNorm(width)
+            self.head = torch.nn.Linear(width, args.vocab, bias=False)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False)
+            return self.head(self.norm(x))
+
+    torch.manual_seed(0)
+    return Decoder().to(torch.bfloat16)
+
+
+def _units(model: Any) -> list[tuple[str, Any]]:
+    """The decoder's units: the embedding, each block, the final norm, the head."""
+    return [(name, m) for name, m in model.named_modules() if name in ("embed", "norm", "head") or name.count(".") == 1]
+
+
+def run_strategy_gpu(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """GPU strategy rows: training steps of the decoder (see the module doc), per contender."""
+    import gc
+    from contextlib import nullcontext
+
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_ckpt import ChunkedAdamW
+    from lightning_ckpt.offload.placement import OffloadBudgetError
+    from lightning_ckpt.offload.streamer import Streamer
+    from lightning_ckpt.offload.streams import CudaStreams
+    from lightning_ckpt.plan import parse_size
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    budget = parse_size(args.budget, "--budget")
+    tokens_per_step = args.sequences * args.seq_len
+    rows = []
+    for name in ("resident (no strategy)", "FSDP2 CPUOffloadPolicy", "ChunkedOffloadStrategy"):
+        seconds, peaks, stats, error = [], [], None, None
+        for _ in range(args.repeats):
+            model = _decoder(args)
+            params = sum(p.numel() for p in model.parameters())
+            streamer = None
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()  # the peak counts from here, every contender alike
+            try:
+                if name == "ChunkedOffloadStrategy":  # the decoder has no buffers to move
+                    streams = CudaStreams(device)
+                    streams.reset_peak()  # as the strategy's setup does: the plan's own measurement
+                    streamer = Streamer(_units(model), list(model.parameters()), parse_size(args.chunk_size, "--chunk-size"),
+                                        budget, args.prefetch, device, streams)
+                    optimizer: Any = ChunkedAdamW(model.parameters(), chunk_size=args.chunk_size)
+                    streamer.optimizers = [optimizer]
+                elif name == "FSDP2 CPUOffloadPolicy":
+                    model = _fsdp2_offload(model.to(device), [*model.blocks, model])
+                    optimizer = torch.optim.AdamW(model.parameters())
+                else:
+                    model = model.to(device)
+                    optimizer = ChunkedAdamW(model.parameters(), chunk_size=args.chunk_size)
+                gen = torch.Generator(device=device).manual_seed(0)
+                tokens = torch.randint(0, args.vocab, (args.sequences, args.seq_len + 1), device=device, generator=gen)
+                torch.cuda.synchronize()
+
+                def step() -> None:
+                    hooks = nullcontext()
+                    if streamer is not None:
+                        streamer.refresh_unhooked()
+                        hooks = torch.autograd.graph.saved_tensors_hooks(streamer.pack_saved, streamer.unpack_saved)
+                    with hooks:
+                        logits = model(tokens[:, :-1])
+                        loss = F.cross_entropy(logits.float().view(-1, args.vocab), tokens[:, 1:].reshape(-1))
+                    if streamer is not None:
+                        streamer.begin_backward()
+                    loss.backward()
+                    if streamer is not None:
+                        streamer.end_backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+                step()  # the warm-up (the strategy's traced plan, state allocated) is not timed
+                seconds.append(_time_steps(step, args.steps, torch.cuda.synchronize))
+                peaks.append(torch.cuda.max_memory_allocated() - base)
+                if streamer is not None:
+                    stats = streamer.stats()
+            except (OffloadBudgetError, torch.OutOfMemoryError) as exc:
+                error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            finally:
+                if streamer is not None:
+                    streamer.close()
+                model = optimizer = streamer = None  # the optimizer's arena goes with it
+                gc.collect()
+                torch.cuda.empty_cache()
+            if error:
+                break
+        row: dict[str, Any] = {"contender": name, "params": params, "tokens_per_step": tokens_per_step}
+        if error:
+            row["error"] = error
+        else:
+            step_s = median(seconds)
+            row.update({
+                "step_seconds": seconds,
+                "median_step_seconds": step_s,
+                "tokens_per_second": tokens_per_step / step_s if step_s else None,
+                "peak_device_bytes": median(peaks),
+                "parameter_bytes": 2 * params,
+                **({k: v for k, v in stats.items() if k != "peak_device_bytes"} if stats else {}),
+            })
+        rows.append(row)
     resident = rows[0].get("median_step_seconds")
     for row in rows:
         if row.get("median_step_seconds") and resident:
@@ -343,11 +508,11 @@ def run_save(args: argparse.Namespace) -> list[dict[str, Any]]:
                 step()
                 state = checkpoint()
                 arena = getattr(optimizer, "_arena", None)
-                copied, arena_bytes, on_write = plugin._pool.host_bytes_copied, getattr(arena, "snapshot_bytes", 0), getattr(arena, "copied_on_write", 0)
+                copied, arena_bytes, on_write = plugin.async_saver.pool.host_bytes_copied, getattr(arena, "snapshot_bytes", 0), getattr(arena, "copied_on_write", 0)
                 start = time.perf_counter()
                 plugin.save_checkpoint(state, os.path.join(folder, "measured.ckpt"))
                 measured["stall"].append(time.perf_counter() - start)
-                measured["copied"].append(plugin._pool.host_bytes_copied - copied)
+                measured["copied"].append(plugin.async_saver.pool.host_bytes_copied - copied)
                 measured["d2h"].append(sum(
                     t.numel() * t.element_size() for entry in state["optimizer_states"][0]["state"].values()
                     for t in entry.values() if isinstance(t, torch.Tensor) and t.device.type != "cpu"
@@ -429,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.save:
         rows = run_save(args)
     elif args.device == "cuda":
-        rows = run_gpu(args)
+        rows = run_strategy_gpu(args) if args.strategy else run_gpu(args)
     else:
         rows = run_strategy(args) if args.strategy else run(args)
     settings = {k: v for k, v in vars(args).items() if k != "json_path"}

@@ -221,7 +221,7 @@ def _sharded(run: _Run, checkpoint: dict[str, Any], warm: dict[str, Any], **opti
         writer_pid = None
         if io.async_save:
             io.prepare_staging(run.task["state_bytes"], on_device=False)
-            writer_pid = io._worker.pid  # started by prepare_staging
+            writer_pid = io.async_saver.worker.pid  # started by prepare_staging
         io.save_checkpoint(warm, run.warm_url)
         io.wait()
         io.poll()

@@ -16,7 +16,7 @@ take alike are taken locally:
 * ``train_time_interval``: rank 0 decides at scheduled check steps only, and broadcasts the
   decision together with the number of steps until the next check, planned from the measured
   step time so that the check lands before the deadline even if steps become
-  ``_TIME_CHECK_SLOWDOWN_TOLERANCE`` times slower.
+  ``schedule.SLOWDOWN_TOLERANCE`` times slower (``schedule.TimeSchedule``).
 
 A *save step* is one hook call (``on_train_batch_end``, ``on_validation_end``, ...) that writes
 one or more files (the top-k file, ``last.ckpt``). ``Trainer.save_checkpoint``'s barrier (one
@@ -30,7 +30,6 @@ removed, so the callback's state is as if they had not been requested.
 """
 
 import contextlib
-import math
 import os
 import secrets
 import time
@@ -38,48 +37,38 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, Optional, TypeGuard, Union
+from typing import Any, Literal, Optional, Union
 from weakref import proxy
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from rich.console import Console
 from typing_extensions import override
 
 from lightning_ckpt import manifest as fmt
-from lightning_ckpt import reader
 from lightning_ckpt.compile import install_load_hook, strip_compiled_prefixes
-from lightning_ckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, skipped_damaged_message
-from lightning_ckpt.io import CheckpointIOFeatures, location
+from lightning_ckpt.errors import skipped_damaged_message
+from lightning_ckpt.io import CheckpointIOFeatures, ShardedCheckpointIO
 from lightning_ckpt.memory import (
     DEFAULT_RELEASE_THRESHOLD_MB,
     EmptyCudaCache,
-    HeapTrim,
     MemoryReleaser,
     MemoryStats,
-    SaveRelease,
     memory_stats,
     release_mode,
 )
-from lightning_ckpt.monitor import SaveMonitor, SaveRecord, print_summary, save_line
-from lightning_ckpt.remote import RemoteOptions, is_remote, url_key
-from lightning_ckpt.remote import listing as remote_listing
-from lightning_ckpt.strategies import checkpoint_state, enable_sharded_resume, save_sharded, sharded_io
+from lightning_ckpt.records import SaveRecorder, features, saves_async
+from lightning_ckpt.remote import is_remote, url_key
+from lightning_ckpt.resume import last_good, listing
+from lightning_ckpt.schedule import TimeSchedule
+from lightning_ckpt.strategies import enable_sharded_resume, prepare_staging, save_from_ranks, sharded_io
 from lightning_ckpt.writer import link_checkpoint
 
 # Checkpoint paths known to exist, per folder (see the module docstring); shared by instances
 # saving into the same folder, and reset from the filesystem at every ``setup``.
 _RECORDS: dict[str, set[str]] = {}
-
-# A time-trigger check plans at most 1/this of the remaining time ahead at the measured step time:
-# the save stays on the first step past the interval (as Lightning's, which checks every batch)
-# unless steps become more than this many times slower between two checks.
-_TIME_CHECK_SLOWDOWN_TOLERANCE = 10
 
 # ModelCheckpoint's save bookkeeping: what a skipped save must leave untouched.
 _BOOKKEEPING = (
@@ -185,24 +174,18 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         self.empty_cuda_cache = empty_cuda_cache
         self.release_threshold_mb = release_threshold_mb
         self._memory_after_save: MemoryStats | None = None  # allocator counters at the previous save
-        self._awaiting_trim: list[tuple[HeapTrim, SaveRecord]] = []  # background trims not done yet
-        self._staging_prepared = False  # once per fit (see ``_prepare_staging``)
+        self._staging_prepared = False  # once per fit (see ``strategies.prepare_staging``)
         self._overlap = False  # inside ``_between_steps``
-        self._awaiting_copy_wait: list[tuple[str, SaveRecord]] = []
         self.metrics_file = metrics_file
         self.plot = plot
         self.compile_safe = compile_safe
-        self._monitor = SaveMonitor(window=slowdown_window)
+        self._recorder = SaveRecorder(slowdown_window)  # rank 0's records of the saves
         self._known: set[str] = set()
         self._load_hook: Any = None
-        self._awaiting_durable: list[tuple[str, SaveRecord]] = []
         # The triggers as configured: on_train_batch_end toggles the live ones for one call.
         self._configured_triggers = (self._every_n_train_steps, self._train_time_interval)
         # Time trigger (see the module docstring): identical on every rank except the clocks.
-        self._time_reference = 0.0  # rank 0: when the interval started
-        self._last_check = 0.0  # rank 0: when the last check ran
-        self._steps_to_check = 1
-        self._steps_since_check = 0
+        self._schedule = TimeSchedule()
         # The save step in progress (see the module docstring); identical on every rank except
         # ``_skipped_at``, which only rank 0 knows until the step's broadcast.
         self._in_save_step = False
@@ -217,14 +200,15 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         super().setup(trainer, pl_module, stage)
         # The rank-consistent record of existing checkpoints, from the filesystem (never from an
         # earlier run's memory): one broadcast here, none per save.
-        listing = _listing(self.dirpath, self._template_depth(), trainer.strategy.checkpoint_io) if trainer.is_global_zero else []
+        known = self._listing(trainer) if trainer.is_global_zero else []
         # The same broadcast carries the name multi-rank saves give their shared folders.
-        listing, token = trainer.strategy.broadcast((listing, secrets.token_hex(8)))
+        known, token = trainer.strategy.broadcast((known, secrets.token_hex(8)))
         io = sharded_io(trainer.strategy)
         if io is not None:
             io.use_part_token(token)
-        if (features := _features(trainer.strategy.checkpoint_io)) is not None:
-            features.track_frozen(pl_module)  # frozen weights in shards of their own (incremental saves)
+        plugin = features(trainer.strategy.checkpoint_io)
+        if plugin is not None:  # frozen weights in shards of their own, for incremental saves
+            plugin.track_frozen(pl_module)
         # Before the strategy restores (Trainer._run: callbacks' setup, then strategy.setup, then the
         # restore): a stock ModelParallelStrategy / FSDPStrategy resumes from our checkpoints.
         enable_sharded_resume(trainer.strategy)
@@ -233,10 +217,16 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         # filesystem would be).
         record = _RECORDS.setdefault(os.path.normpath(os.fspath(self.dirpath or "")), set())
         record.clear()
-        record.update(listing)
+        record.update(known)
         self._known = record
         if self.compile_safe and self._load_hook is None:
             self._load_hook = install_load_hook(pl_module)
+
+    def _listing(self, trainer: pl.Trainer) -> list[str]:
+        """What ``dirpath`` holds, as deep as the file name templates reach; a URL listed with the
+        plugin's storage options when it is ours."""
+        io = trainer.strategy.checkpoint_io
+        return listing(self.dirpath, self._template_depth(), io.remote if isinstance(io, ShardedCheckpointIO) else None)
 
     def _template_depth(self) -> int:
         """How many folders below ``dirpath`` the file name templates reach (``"{epoch}/model"``: 1)."""
@@ -269,9 +259,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        now = time.monotonic()
-        self._time_reference = self._last_check = now
-        self._steps_to_check, self._steps_since_check = 1, 0
+        self._schedule.start()
 
     @override
     def on_train_batch_end(
@@ -280,7 +268,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         interval = self._train_time_interval
         if not self._staging_prepared and trainer.global_step > 0:
             self._staging_prepared = True  # after the first optimizer step: its state exists now
-            _prepare_staging(trainer, pl_module)
+            prepare_staging(trainer, pl_module)
         with self._save_step(trainer), self._between_steps(trainer):
             if interval is None:
                 super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -296,26 +284,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
 
     def _time_to_save(self, trainer: pl.Trainer, interval: float) -> bool:
         """Rank-consistent time decision, communicating only on scheduled check steps."""
-        self._steps_since_check += 1
-        self._steps_to_check -= 1
-        if self._steps_to_check > 0:
-            return False
-        decision: tuple[bool, int] | None = None
-        if trainer.is_global_zero:
-            now = time.monotonic()
-            step_time = (now - self._last_check) / self._steps_since_check  # the recent pace
-            save = now - self._time_reference >= interval
-            remaining = interval if save else interval - (now - self._time_reference)
-            decision = (save, _steps_until_check(remaining, step_time, trainer.world_size))
-            self._last_check = now
-            if save:
-                self._time_reference = now
-        if trainer.world_size > 1:
-            decision = trainer.strategy.broadcast(decision)
-        assert decision is not None  # rank 0's, or received from it
-        save, self._steps_to_check = decision
-        self._steps_since_check = 0
-        return save
+        return self._schedule.due(interval, trainer.is_global_zero, trainer.world_size, trainer.strategy.broadcast)
 
     @override
     def file_exists(self, filepath: _PATH, trainer: pl.Trainer) -> bool:
@@ -439,54 +408,32 @@ class ShardedModelCheckpoint(ModelCheckpoint):
     @override
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
         """``ckpt_path="last"``: the newest checkpoint in this callback's folder that is committed
-        and intact, skipping damaged ones with a warning naming the damaged file and the one used.
+        and intact, skipping damaged ones with a warning naming the damaged file and the one used
+        (``resume.last_good``); the plugin is told which older ones to load instead if the load
+        finds damage (``ShardedCheckpointIO.fall_back_on_damage``).
 
         Only when Lightning finds a ``last`` checkpoint there (otherwise its warning and a fresh
-        start, as before), and for a local folder. Candidates are ``last*.ckpt`` and every
-        committed checkpoint of the folder, newest commit (manifest) first. Each gets the cheap
-        check (manifest, every file present with its size, the metadata's digest: stats and two
-        small reads) until one passes. Hashing every byte here would read the whole checkpoint a
-        second time on every rank, and the load hashes what it reads anyway: a checkpoint whose
-        bytes changed in place (a flipped byte) is found there, and the plugin then loads the next
-        older one instead (``ShardedCheckpointIO.fall_back_on_damage``).
-
-        Lightning resolves the path on every rank before any process group exists, so no
-        collective is possible; none is needed: every rank reads the same folder (as it must,
-        to resume from it) and the checks are functions of its bytes, so all pick the same one.
-        A newer format (``UnsupportedFormatError``) is not skipped: the load says to upgrade.
+        start, as before), and for a local folder. Lightning resolves the path on every rank before
+        any process group exists, so no collective is possible; none is needed (see ``resume``).
         """
         found = super()._find_last_checkpoints(trainer)
-        folder = os.path.dirname(min(found)) if found else ""
-        if not found or is_remote(folder):
+        if not found or is_remote(os.path.dirname(min(found))):
             return found
-        from lightning_ckpt.legacy_dcp import is_dcp_checkpoint
-
-        ours = [p for p in _listing(folder, self._template_depth()) if reader.is_committed(p)]
-        candidates = _newest_first(found, ours)
-        skipped: list[tuple[str, CheckpointError]] = []
-        for index, path in enumerate(candidates):
-            if os.path.isfile(path) or is_dcp_checkpoint(path):
-                break  # written by Lightning's IO or strategies: nothing to check, as Lightning would
-            try:
-                reader.check(path)
-            except (CorruptCheckpointError, CheckpointNotFoundError) as err:
-                skipped.append((path, err))
-                continue
-            break
-        else:
+        good = last_good(found, self._template_depth())
+        if good is None:
             return found  # every one is damaged: the load of the newest raises, naming its damage
-        if skipped:
-            rank_zero_warn(skipped_damaged_message(skipped, path))
+        if good.skipped:
+            rank_zero_warn(skipped_damaged_message(good.skipped, good.path))
         io = trainer.strategy.checkpoint_io
         if isinstance(io, CheckpointIOFeatures):
-            io.fall_back_on_damage(path, [p for p in candidates[index + 1 :] if p in ours])
-        return {path}
+            io.fall_back_on_damage(good.path, good.fallbacks)
+        return {good.path}
 
     @override
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         # The plugin loaded an older checkpoint than the one resolved (it failed verification):
         # the run resumed from that one, which must never be removed as outdated by this run.
-        io = _features(trainer.strategy.checkpoint_io)
+        io = features(trainer.strategy.checkpoint_io)
         instead = None if io is None else io.loaded_instead
         if instead is not None and trainer.ckpt_path is not None and os.fspath(trainer.ckpt_path) == instead[0]:
             # Not the public setter: it would also mark the path as user-set for the next ``fit``.
@@ -508,13 +455,13 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             self._pending = None
             if self._skipped_at is not None:
                 return
-            io = _features(trainer.strategy.checkpoint_io)
+            io = features(trainer.strategy.checkpoint_io)
             skipped_before = 0 if io is None else io.skipped_saves
             self._releaser.before_save()  # no heap trim runs during a save
             before = memory_stats()
             start = time.perf_counter()
             with io.overlapping() if io is not None and self._overlap else contextlib.nullcontext():
-                _write(trainer, filepath, self.save_weights_only)
+                save_from_ranks(trainer, filepath, self.save_weights_only)
             stall = time.perf_counter() - start
             after = memory_stats()  # with ``before``: what the save call left behind
             if trainer.is_global_zero and io is not None and io.skipped_saves != skipped_before:
@@ -528,7 +475,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
                     logger.after_save_checkpoint(proxy(self))
             release = self._releaser.after_save(before, after, self._memory_after_save)
             if trainer.is_global_zero:
-                self._record(trainer, filepath, stall, before, release)
+                self._recorder.record(trainer, filepath, stall, before, release, self._memory_after_save, self.verbose)
             self._memory_after_save = release.after
 
     @contextmanager
@@ -541,59 +488,18 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         finally:
             self._overlap = False
 
-    def _record(self, trainer: pl.Trainer, filepath: str, stall: float, before: MemoryStats, release: SaveRelease) -> None:
-        after = release.after
-        io = trainer.strategy.checkpoint_io
-        (nbytes, durable, reused), waits_copies = _written(io, filepath, stall), _async(io)
-        previous = self._memory_after_save
-        record = SaveRecord(
-            index=len(self._monitor.records),
-            path=filepath,
-            global_step=trainer.global_step,
-            step_index=len(self._monitor.step_times),
-            call_s=stall,
-            release_s=release.seconds,
-            nbytes=nbytes, reused_bytes=reused,  # of which reused from an earlier checkpoint (incremental)
-            durable_s=durable,
-            host_rss_before=before.host_rss,
-            host_rss_after=after.host_rss,
-            cuda_reserved_before=before.cuda_reserved,
-            cuda_reserved_after=after.cuda_reserved,
-            cuda_cache_emptied=release.cuda_cache_emptied,
-            copy_wait_s=None if waits_copies else 0.0,
-            cuda_fragmentation=before.cuda_fragmentation,
-            cuda_alloc_retries=before.cuda_alloc_retries - (previous.cuda_alloc_retries if previous else 0),
-            heap_left_bytes=release.heap_left,
-            release_skipped=release.skipped,
-            release_reason=release.reason,
-            released_bytes=release.released,
-        )
-        self._monitor.add(record)
-        if release.trim is not None:
-            self._awaiting_trim.append((release.trim, record))
-        if durable is None:
-            self._awaiting_durable.append((location(filepath), record))
-        if waits_copies:  # keyed as the IO keys them: a URL as it is, a local path absolute
-            self._awaiting_copy_wait.append((location(filepath), record))
-        self._log(trainer, record)
-        if self.verbose:
-            Console(soft_wrap=True).print(save_line(record))
-
     @property
     def save_records(self) -> list[dict[str, Any]]:
         """Every save's measurements, as plain data (rank 0; empty elsewhere)."""
-        return [r.as_dict() for r in self._monitor.records]
+        return [r.as_dict() for r in self._recorder.monitor.records]
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        closed = self._monitor.on_step_start(time.perf_counter())
-        if trainer.is_global_zero:
-            for record in closed + self._newly_durable(trainer) + self._copy_waits_known(trainer) + self._trims_done():
-                self._log(trainer, record)
+        self._recorder.step_started(trainer)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._monitor.pause(time.perf_counter())  # validation time is not a training step
+        self._recorder.monitor.pause(time.perf_counter())  # validation time is not a training step
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -616,81 +522,8 @@ class ShardedModelCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         with self._save_step(trainer):
             super().on_train_end(trainer, pl_module)
-        if not trainer.is_global_zero:
-            return
-        io = trainer.strategy.checkpoint_io
-        if self._awaiting_durable and isinstance(io, CheckpointIOFeatures):
-            io.wait()  # final durability figures
-        self._releaser.wait()  # the last trim's figures (a trim takes milliseconds)
-        for record in self._monitor.finish() + self._newly_durable(trainer) + self._copy_waits_known(trainer) + self._trims_done():
-            self._log(trainer, record)
-        if not self._monitor.records:
-            return
-        if self.verbose:
-            print_summary(self._monitor.records)
-        run_dir = _run_dir(trainer)
-        if run_dir is None or _same_folder(run_dir, self.dirpath):
-            return  # no run folder, or it is the checkpoint folder: nothing but checkpoints there
-        if self.metrics_file:
-            self._monitor.append_jsonl(os.path.join(run_dir, self.metrics_file))
-        if self.plot:
-            self._monitor.plot(os.path.join(run_dir, "ckpt_step_times.png"))
-
-    def _newly_durable(self, trainer: pl.Trainer) -> list[SaveRecord]:
-        io = trainer.strategy.checkpoint_io
-        if not self._awaiting_durable or not isinstance(io, CheckpointIOFeatures):
-            return []
-        done = []
-        for result in io.poll():  # in completion order, which is submission order
-            path = location(result.path)
-            match = next((i for i, (p, _) in enumerate(self._awaiting_durable) if p == path), None)
-            if match is not None:
-                _, record = self._awaiting_durable.pop(match)
-                record.nbytes, record.durable_s, record.reused_bytes = result.nbytes, result.seconds, result.reused_bytes
-                done.append(record)
-        return done
-
-    def _trims_done(self) -> list[SaveRecord]:
-        """Records whose background heap trim finished since the last look."""
-        done, running = [], []
-        for trim, record in self._awaiting_trim:
-            (done if trim.done() else running).append((trim, record))
-        self._awaiting_trim = running
-        for trim, record in done:
-            record.released_bytes, record.background_trim_s = trim.released, trim.seconds
-        return [record for _, record in done]
-
-    def _copy_waits_known(self, trainer: pl.Trainer) -> list[SaveRecord]:
-        """Records whose device-copy wait became known (measured on the GPU a step after the save)."""
-        io = trainer.strategy.checkpoint_io
-        known, waiting = [], []
-        for path, record in self._awaiting_copy_wait:
-            record.copy_wait_s = io.copy_wait_seconds(path)
-            (waiting if record.copy_wait_s is None else known).append((path, record))
-        self._awaiting_copy_wait = waiting
-        return [record for _, record in known]
-
-    @staticmethod
-    def _log(trainer: pl.Trainer, record: SaveRecord) -> None:
-        metrics = record.metrics()
-        # A strategy that accounts device memory (ChunkedOffloadStrategy) logs it with each save.
-        memory_stats = getattr(trainer.strategy, "memory_stats", None)
-        if callable(memory_stats):
-            metrics.update({f"offload/{key}": float(value) for key, value in memory_stats().items()})
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-
-
-def _write(trainer: pl.Trainer, filepath: str, weights_only: bool) -> None:
-    """``Trainer.save_checkpoint`` on any number of ranks, without its per-file barrier (see the
-    module docstring; in one process it is a no-op)."""
-    with trainer.profiler.profile("save_checkpoint"):
-        with checkpoint_state(trainer.strategy, filepath):  # every rank writes: its own optimizer share
-            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only)
-        # Sharded state (FSDP2 / tensor parallel) and DDP on one node: every rank writes its part;
-        # the full state FSDP / ModelParallelStrategy gathered: rank 0 writes it (see save_sharded).
-        if not save_sharded(trainer.strategy, checkpoint, filepath):
-            trainer.strategy.save_checkpoint(checkpoint, filepath)
+        if trainer.is_global_zero:
+            self._recorder.finish(trainer, self._releaser, self.verbose, self.dirpath, self.metrics_file, self.plot)
 
 
 def _training_step_follows(trainer: pl.Trainer) -> bool:
@@ -706,97 +539,9 @@ def _training_step_follows(trainer: pl.Trainer) -> bool:
         return False
 
 
-def _prepare_staging(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    """Let an async plugin fault in (and page-lock) its staging pool in the background now, long
-    before the first save, sized for this rank's state. Skipped for spread DDP writes (each rank
-    stages a part only the plan knows)."""
-    io = trainer.strategy.checkpoint_io
-    if not _async(io):
-        return
-    if trainer.world_size > 1 and not isinstance(trainer.strategy, (ModelParallelStrategy, FSDPStrategy)):
-        return
-    # Parameters and buffers, not ``state_dict()``: under FSDP (1) that would gather every full
-    # parameter onto every rank; these are this rank's shards (FSDP1's flat parameters, FSDP2's
-    # DTensors) and count tied weights once.
-    tensors = [*pl_module.parameters(), *pl_module.buffers()]
-    for optimizer in trainer.optimizers:
-        tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    local = [getattr(t, "_local_tensor", t) for t in tensors]
-    io.prepare_staging(sum(t.nbytes for t in local), on_device=any(t.is_cuda for t in local))
-
-
 def _can_skip(io: Any) -> bool:
     """Can this IO skip a save (so rank 0 must tell the other ranks)? Configured alike on every rank."""
-    return _async(io) and io.when_busy == "skip"
-
-
-def _features(io: Any) -> CheckpointIOFeatures | None:
-    """``io`` when it is ``ShardedCheckpointIO`` (or has all it offers), else ``None`` (Lightning's own)."""
-    return io if isinstance(io, CheckpointIOFeatures) else None
-
-
-def _async(io: Any) -> TypeGuard[CheckpointIOFeatures]:
-    """Does ``io`` save asynchronously (through the features the callback uses)?"""
-    return isinstance(io, CheckpointIOFeatures) and bool(io.async_save)
-
-
-def _steps_until_check(remaining: float, step_time: float, world_size: int) -> int:
-    """Steps until the next time check: every step in one process (no collective to save), else a
-    ``_TIME_CHECK_SLOWDOWN_TOLERANCE``-th of the remaining time at the measured pace."""
-    if world_size == 1 or step_time <= 0:
-        return 1
-    return max(1, math.floor(remaining / (_TIME_CHECK_SLOWDOWN_TOLERANCE * step_time)))
-
-
-def _listing(dirpath: _PATH | None, depth: int, checkpoint_io: Any = None) -> list[str]:
-    """Paths under ``dirpath`` down to ``depth`` folders below it (checkpoint directories are
-    entries, not descended into). A URL is listed through fsspec, with ``checkpoint_io``'s
-    storage options when it is ours."""
-    if dirpath is not None and is_remote(dirpath):
-        from lightning_ckpt.io import ShardedCheckpointIO
-
-        options = checkpoint_io.remote if isinstance(checkpoint_io, ShardedCheckpointIO) else RemoteOptions()
-        return [os.path.normpath(url) for url in remote_listing(os.fspath(dirpath), depth, options)]
-    if dirpath is None or not os.path.isdir(dirpath):
-        return []
-    found: list[str] = []
-    folders = [os.path.normpath(os.fspath(dirpath))]
-    for level in range(depth + 1):
-        below = []
-        for folder in folders:
-            try:
-                entries = list(os.scandir(folder))
-            except OSError:  # removed or unreadable meanwhile: nothing of it is a known checkpoint
-                continue
-            for entry in entries:
-                found.append(os.path.normpath(entry.path))
-                if level < depth and entry.is_dir() and not os.path.exists(os.path.join(entry.path, fmt.MANIFEST_FILE)):
-                    below.append(entry.path)
-        folders = below
-    return sorted(found)
-
-
-def _newest_first(last: set[str], committed: list[str]) -> list[str]:
-    """Checkpoint paths, newest commit first (the manifest's time; a path without one, its own),
-    each checkpoint once (a ``last.ckpt`` link and its target are one, named as linked); on equal
-    times a ``last`` checkpoint first."""
-
-    def committed_at(path: str) -> int:
-        for probe in (os.path.join(path, fmt.MANIFEST_FILE), path):
-            try:
-                return os.stat(probe).st_mtime_ns
-            except OSError:
-                continue
-        return 0
-
-    seen: set[str] = set()
-    unique = []
-    for path in sorted(last) + committed:
-        real = os.path.realpath(path)
-        if real not in seen:
-            seen.add(real)
-            unique.append(path)
-    return sorted(unique, key=lambda p: (committed_at(p), p in last), reverse=True)
+    return saves_async(io) and io.when_busy == "skip"
 
 
 def _explain_directory_error(exception: BaseException) -> None:
@@ -813,34 +558,6 @@ def _explain_directory_error(exception: BaseException) -> None:
             " `lightning_ckpt.load_from_checkpoint(Model, path)`, or convert it with"
             " `python -m lightning_ckpt convert DIR FILE.ckpt`"
         )
-
-
-def _run_dir(trainer: pl.Trainer) -> str | None:
-    """The first logger's run folder, as ``trainer.log_dir`` finds it but on this rank alone (the
-    property broadcasts; rank 0 calls this); ``None`` without a logger (Lightning then writes no
-    run files either)."""
-    if not trainer.loggers:
-        return None
-    logger = trainer.loggers[0]
-    folder = logger.log_dir if isinstance(logger, (TensorBoardLogger, CSVLogger)) else logger.save_dir
-    return None if folder is None else os.fspath(folder)
-
-
-def _same_folder(a: _PATH, b: _PATH | None) -> bool:
-    return b is not None and os.path.abspath(a) == os.path.abspath(b)
-
-
-def _written(io: Any, filepath: str, stall: float) -> tuple[int | None, float | None, int | None]:
-    """(bytes, seconds until durable, of those bytes reused) of a save that just returned, where known."""
-    if _async(io):
-        return None, None, None  # known once the writer process reports it (see ``poll``)
-    features = _features(io)
-    last = None if features is None else features.last_save
-    if last is not None and os.path.abspath(last.path) == os.path.abspath(filepath):
-        return last.nbytes, last.seconds, last.reused_bytes  # ShardedCheckpointIO, synchronous
-    if os.path.isfile(filepath):  # Lightning's TorchCheckpointIO: written when save returned
-        return os.path.getsize(filepath), stall, 0
-    return None, None, None
 
 
 def _result_collections(trainer: pl.Trainer) -> list[Any]:

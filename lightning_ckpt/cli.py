@@ -5,7 +5,7 @@ default ``.ckpt``) and stock DCP folders written by Lightning's sharded strategi
 (``ModelParallelStrategy``, ``FSDPStrategy(state_dict_type="sharded")``).
 
 Every PATH may also be the fsspec URL of a remote lightning_ckpt checkpoint (``s3://bucket/run/x.ckpt``;
-see ``remote.py``), with ``--storage-options JSON`` passed to its filesystem (credentials,
+see ``remote``), with ``--storage-options JSON`` passed to its filesystem (credentials,
 ``{"client_kwargs": {"endpoint_url": ...}}``). ``inspect URL`` reads ``CURRENT`` and the manifest
 only, no shard; ``verify URL`` streams and hashes every object, storing nothing; ``convert`` takes
 a URL on either side (a remote destination is always a checkpoint directory, published as a new

@@ -15,7 +15,8 @@ from lightning_ckpt import reader, remote, savejob
 from lightning_ckpt.compile import load_hooks_on_compiled_submodules
 from lightning_ckpt.errors import CheckpointNotFoundError
 from lightning_ckpt.plan import parse_size
-from lightning_ckpt.writer import ShardWriter, WriteResult
+from lightning_ckpt.shards import ShardWriter
+from lightning_ckpt.writer import WriteResult
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
 _T = TypeVar("_T")
@@ -39,7 +40,7 @@ def save_checkpoint(
 
     ``path`` may be an fsspec URL (``s3://bucket/run/x.ckpt``; ``storage_options`` go to its
     filesystem): the checkpoint is committed in a temporary local folder, then published (see
-    ``remote.py``)."""
+    ``remote.commit``)."""
     prepared = savejob.prepare(checkpoint, parse_size(max_shard_size))
     target = os.fspath(path) if remote.is_remote(path) else savejob.local_path(path)
     destination = savejob.Destination.resolve(target, remote.RemoteOptions(storage_options or {}))

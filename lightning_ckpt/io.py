@@ -45,11 +45,9 @@ from lightning_ckpt.compile import normalize_key
 from lightning_ckpt.incremental import Tracker, frozen_keys, stable_predicate, track_optimizer_steps
 from lightning_ckpt.plan import Stable, parse_size
 from lightning_ckpt.saver import AsyncSaver, Outcomes, SyncSaver
-from lightning_ckpt.saver import Pending as _Pending  # tests stand in for a pending save with one
 from lightning_ckpt.savejob import Prepared
-from lightning_ckpt.staging import StagingPool
-from lightning_ckpt.worker import WriterProcess
-from lightning_ckpt.writer import ShardWriter, WriteResult
+from lightning_ckpt.shards import ShardWriter
+from lightning_ckpt.writer import WriteResult
 
 __all__ = [
     "CheckpointIOFeatures",
@@ -285,32 +283,18 @@ class ShardedCheckpointIO(CheckpointIO):
             self._tracker,
         )
 
-    # The savers' state, by the names tests and benchmarks use.
     @property
-    def _pool(self) -> StagingPool:
-        return self._async.pool
-
-    @property
-    def _worker(self) -> WriterProcess:
-        return self._async.worker
+    def sync_saver(self) -> SyncSaver:
+        """The saver of synchronous saves (its ``uploader``: the local tier's upload thread).
+        For inspection by tests, benchmarks and tools; the plugin's own methods are the API."""
+        return self._sync
 
     @property
-    def _uploader(self) -> remote.Uploader:
-        return self._sync.uploader
-
-    @property
-    def _pending(self) -> Optional[_Pending]:
-        return self._async.pending
-
-    @_pending.setter
-    def _pending(self, pending: Optional[_Pending]) -> None:
-        self._async.pending = pending
-
-    def _hand_over(self) -> None:
-        self._async.hand_over()
-
-    def _drain(self, block: bool) -> None:
-        self._async.drain(block)
+    def async_saver(self) -> AsyncSaver:
+        """The saver of asynchronous saves (its ``pool``: the staging pool; ``worker``: the writer
+        process; ``pending``: a save whose device copies are still landing). For inspection by
+        tests, benchmarks and tools; the plugin's own methods are the API."""
+        return self._async
 
     @property
     def skipped_saves(self) -> int:

@@ -24,18 +24,16 @@ import torch
 from lightning_ckpt import manifest as fmt
 from lightning_ckpt.incremental import Reused, stored_files
 from lightning_ckpt.plan import Blob, Plan
+from lightning_ckpt.shards import ShardWriter, fsync_dir, write_small
 from lightning_ckpt.writer import (
     PART_MARKER,
     ImageSource,
-    ShardWriter,
     WriteResult,
     commit,
-    fsync_dir,
     prepare_target,
     remove_tree,
     write_error,
     write_shards,
-    write_small,
     write_small_files,
 )
 

@@ -21,17 +21,15 @@ import json
 import mmap
 import os
 import pickle
-import queue
 import stat
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, Union
 
 import torch
 
+from lightning_ckpt import digests
 from lightning_ckpt import manifest as fmt
-from lightning_ckpt._fs import drop_page_cache
 from lightning_ckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -40,8 +38,6 @@ from lightning_ckpt.errors import (
 from lightning_ckpt.plan import contiguous_strides, decode_tree, format_key_path
 
 MapLocation = Union[None, str, torch.device, dict[str, str], Callable[..., Any]]
-_VERIFY_CHUNK = 16 * 2**20
-_HASH_READ_AHEAD = 4  # chunks the kernel is asked to read ahead of the hash of a mapped shard
 _HASH_THREADS = 4  # shards hashed at once on load (bounded by the CPU count and the shard count)
 _T = TypeVar("_T")
 
@@ -118,20 +114,6 @@ def is_committed(path: str) -> bool:
 def _some(names: list[str], limit: int = 5) -> str:
     """``'a', 'b', ...``: the first ``limit`` names, quoted."""
     return ", ".join(map(repr, names[:limit])) + (", ..." if len(names) > limit else "")
-
-
-def _check_digest(path: str, name: str, algorithm: str, expected: str, found: str) -> None:
-    """Raise ``CorruptCheckpointError`` naming file ``name`` when its digest is not the manifest's."""
-    if found == expected:
-        return
-    raise CorruptCheckpointError(
-        f"{path!r}: checksum mismatch in {name!r} ({algorithm}: expected {expected}, found {found}); the file is"
-        " corrupt, so the checkpoint is damaged. Resume from another checkpoint (an earlier one of the run),"
-        " or, to load these bytes anyway, pass `verify=False` to `load_checkpoint` or use"
-        " `ShardedCheckpointIO(verify_on_load=\"structure\")`.",
-        path,
-        name,
-    )
 
 
 def read_consistently(path: str, read: Callable[[OpenedDir], _T]) -> _T:
@@ -240,65 +222,21 @@ def _verify(directory: OpenedDir) -> fmt.Manifest:
     path = directory.path
     manifest = manifest_in(directory)
     check_structure(directory, manifest)
-    buffers = [mmap.mmap(-1, _VERIFY_CHUNK) for _ in range(2)]
+    buffers = [mmap.mmap(-1, digests.CHUNK) for _ in range(2)]
     try:
         for name, record in manifest.files.items():
-            found = _file_digest(directory, name, buffers, manifest.checksum)
-            _check_digest(path, name, manifest.checksum, record.digest, found)
+            try:
+                fd = directory.open(name, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+            except FileNotFoundError:
+                raise
+            except OSError:
+                fd = directory.open(name)
+            found = digests.file_digest(fd, buffers, manifest.checksum)
+            digests.check_digest(path, name, manifest.checksum, record.digest, found)
     finally:
         for buffer in buffers:
             buffer.close()
     return manifest
-
-
-def _file_digest(directory: OpenedDir, name: str, buffers: list[mmap.mmap], algorithm: str) -> str:
-    """Digest of a file: a thread reads into one aligned buffer while this one hashes the other.
-
-    Reads use ``O_DIRECT`` where the filesystem allows it, so verifying a checkpoint neither
-    evicts the training data from the page cache nor pays for filling it.
-    """
-    try:
-        fd = directory.open(name, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    except FileNotFoundError:
-        raise
-    except OSError:
-        fd = directory.open(name)
-    ready: queue.Queue[tuple[int, int] | BaseException | None] = queue.Queue()
-    free: queue.Queue[int] = queue.Queue()
-    for i in range(len(buffers)):
-        free.put(i)
-    stop = threading.Event()
-
-    def read() -> None:
-        try:
-            while not stop.is_set():
-                index = free.get()
-                n = os.readv(fd, [buffers[index]])
-                if n == 0:
-                    break
-                ready.put((index, n))
-            ready.put(None)
-        except BaseException as err:
-            ready.put(err)
-
-    thread = threading.Thread(target=read, name="lightning_ckpt-verify", daemon=True)
-    thread.start()
-    running = fmt.hasher(algorithm)
-    try:
-        while (item := ready.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            index, n = item
-            running.update(memoryview(buffers[index])[:n])
-            free.put(index)
-    finally:
-        stop.set()
-        free.put(0)
-        thread.join()
-        drop_page_cache(fd)
-        os.close(fd)
-    return running.hexdigest()
-
 
 
 @dataclass
@@ -326,8 +264,8 @@ def _open_shard(directory: OpenedDir, name: str, expected: tuple[str, str] | Non
     try:
         if expected is not None:
             algorithm, digest = expected
-            found = fmt.digest(b"", algorithm) if mapped is None else _mapped_digest(mapped, algorithm)
-            _check_digest(path, name, algorithm, digest, found)
+            found = fmt.digest(b"", algorithm) if mapped is None else digests.mapped_digest(mapped, algorithm)
+            digests.check_digest(path, name, algorithm, digest, found)
         prefix = b"" if mapped is None else mapped[:8]
         if len(prefix) == 8:
             length = int.from_bytes(prefix, "little")
@@ -357,7 +295,7 @@ def _open_verified(directory: OpenedDir, manifest: fmt.Manifest) -> dict[str, _S
     shard_files = {name for files in manifest.components.values() for name in files}
     for name, record in manifest.files.items():
         if name not in shard_files and name != manifest.metadata_file:  # small: the model index
-            _check_digest(path, name, algorithm, record.digest, fmt.digest(directory.read(name), algorithm))
+            digests.check_digest(path, name, algorithm, record.digest, fmt.digest(directory.read(name), algorithm))
     names = [name for name in manifest.files if name in shard_files]
     workers = max(1, min(len(names), os.cpu_count() or 1, _HASH_THREADS))
     shards: dict[str, _Shard] = {}
@@ -376,27 +314,6 @@ def _open_verified(directory: OpenedDir, manifest: fmt.Manifest) -> dict[str, _S
             shard.mapped.close()
         raise failure
     return shards
-
-
-def _mapped_digest(mapped: mmap.mmap, algorithm: str) -> str:
-    """Digest of a whole mapped file, asking the kernel to read ahead of the hash.
-
-    The pages read stay mapped and cached, so the tensors made from this mapping afterwards (and
-    the copy into the model) read memory, not the disk: verification adds the hashing only.
-    """
-    running = fmt.hasher(algorithm)
-    size = len(mapped)
-    advise = getattr(mmap, "MADV_WILLNEED", None)
-    view = memoryview(mapped)
-    try:
-        for start in range(0, size, _VERIFY_CHUNK):
-            if advise is not None:  # pages already cached or in flight are skipped by the kernel
-                end = min(size, start + (_HASH_READ_AHEAD + 1) * _VERIFY_CHUNK)
-                mapped.madvise(advise, start, end - start)  # start is chunk-, so page-aligned
-            running.update(view[start : start + _VERIFY_CHUNK])
-    finally:
-        view.release()
-    return running.hexdigest()
 
 
 def device_for(location: str, map_location: MapLocation) -> torch.device:
@@ -436,7 +353,7 @@ def _read_tree(directory: OpenedDir, manifest: fmt.Manifest) -> Any:
     path = directory.path
     metadata = directory.read(manifest.metadata_file)
     record = manifest.files[manifest.metadata_file]
-    _check_digest(path, manifest.metadata_file, manifest.checksum, record.digest, fmt.digest(metadata, manifest.checksum))
+    digests.check_digest(path, manifest.metadata_file, manifest.checksum, record.digest, fmt.digest(metadata, manifest.checksum))
     try:
         return json.loads(metadata)
     except ValueError as err:

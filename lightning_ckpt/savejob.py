@@ -33,7 +33,8 @@ from lightning_ckpt import parts, remote, writer
 from lightning_ckpt.incremental import Reused
 from lightning_ckpt.plan import Plan, Stable, make_plan
 from lightning_ckpt.server_copy import ServerCopies
-from lightning_ckpt.writer import ImageSource, ShardWriter, WriteResult, write_checkpoint
+from lightning_ckpt.shards import ShardWriter
+from lightning_ckpt.writer import ImageSource, WriteResult, write_checkpoint
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class Destination:
 
     def publish(self, reuse: dict[str, Reused] | None = None) -> remote.Published:
         """Upload the committed ``commit_dir`` to ``path``; the spool is removed, a local-tier copy
-        marked published and its folder pruned (see ``remote.publish_committed``). Files in
+        marked published and its folder pruned (see ``remote.tier.publish_committed``). Files in
         ``reuse`` are copied on the server from the earlier checkpoints (``server_copy``)."""
         assert self.options is not None, "only a remote destination is published"
         copies = ServerCopies.of(reuse, self.options)

@@ -4,7 +4,7 @@
   of background work (writer process, uploads, the hand-off thread), each raised or warned
   (``on_error``) once, at a defined point: the next save, ``wait()``, ``teardown()``.
 * ``SyncSaver``: runs a ``savejob.SaveJob`` in the caller; a local-tier upload goes to its
-  ``remote.Uploader`` thread.
+  ``remote.tier.Uploader`` thread.
 * ``AsyncSaver``: stages the state into a reused ``staging.StagingPool``, hands the job to the
   writer process (``worker.WriterProcess``) once device copies have landed (a hand-off thread, or
   the optimizer pre-step hook here), reuses staged bytes for a second save of the same tensors
@@ -38,9 +38,10 @@ from lightning_ckpt.errors import CheckpointWriteError
 from lightning_ckpt.incremental import Reused, Snapshot, Tracker
 from lightning_ckpt.plan import OPTIMIZER_COMPONENT, Blob, Plan
 from lightning_ckpt.savejob import Destination, Prepared
+from lightning_ckpt.shards import ShardWriter
 from lightning_ckpt.staging import StagingPool
 from lightning_ckpt.worker import WriterProcess
-from lightning_ckpt.writer import ShardWriter, WriteResult
+from lightning_ckpt.writer import WriteResult
 
 
 class Outcomes:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Optional
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
@@ -92,6 +93,39 @@ def save_sharded(strategy: Strategy, checkpoint: dict[str, Any], filepath: _PATH
         return False  # DDP to a URL without a local tier: rank 0 uploads alone
     io.save_sharded(checkpoint, filepath, strategy.global_rank, strategy.world_size, strategy.broadcast)
     return True
+
+
+def save_from_ranks(trainer: pl.Trainer, filepath: str, weights_only: bool) -> None:
+    """``Trainer.save_checkpoint`` on any number of ranks, without its per-file barrier (see
+    ``callback``'s module docstring; in one process it is a no-op). Every rank calls it."""
+    with trainer.profiler.profile("save_checkpoint"):
+        with checkpoint_state(trainer.strategy, filepath):  # every rank writes: its own optimizer share
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only)
+        # Sharded state (FSDP2 / tensor parallel) and DDP on one node: every rank writes its part;
+        # the full state FSDP / ModelParallelStrategy gathered: rank 0 writes it (see save_sharded).
+        if not save_sharded(trainer.strategy, checkpoint, filepath):
+            trainer.strategy.save_checkpoint(checkpoint, filepath)
+
+
+def prepare_staging(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """Let an async plugin fault in (and page-lock) its staging pool in the background now, long
+    before the first save, sized for this rank's state. Skipped for spread DDP writes (each rank
+    stages a part only the plan knows)."""
+    from lightning_ckpt.io import CheckpointIOFeatures
+
+    io = trainer.strategy.checkpoint_io
+    if not isinstance(io, CheckpointIOFeatures) or not io.async_save:
+        return
+    if trainer.world_size > 1 and not isinstance(trainer.strategy, (ModelParallelStrategy, FSDPStrategy)):
+        return
+    # Parameters and buffers, not ``state_dict()``: under FSDP (1) that would gather every full
+    # parameter onto every rank; these are this rank's shards (FSDP1's flat parameters, FSDP2's
+    # DTensors) and count tied weights once.
+    tensors = [*pl_module.parameters(), *pl_module.buffers()]
+    for optimizer in trainer.optimizers:
+        tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    local = [getattr(t, "_local_tensor", t) for t in tensors]
+    io.prepare_staging(sum(t.nbytes for t in local), on_device=any(t.is_cuda for t in local))
 
 
 def _full_state_io(strategy: Strategy) -> Any:

@@ -349,7 +349,7 @@ class _StagedImages:
 def _serve(sock: socket.socket) -> None:
     from lightning_ckpt import remote, savejob
     from lightning_ckpt.savejob import SaveJob
-    from lightning_ckpt.writer import ShardWriter
+    from lightning_ckpt.shards import ShardWriter
 
     writer: ShardWriter | None = None
     options = remote.RemoteOptions()
@@ -411,7 +411,7 @@ def _serve(sock: socket.socket) -> None:
 
 def _lower_priority() -> None:
     """Leave the CPU to training when both want it: nice 5 for the process; its hashing thread
-    goes further (``SCHED_IDLE``, see ``writer._BackgroundDigest``). The writing thread keeps its
+    goes further (``SCHED_IDLE``, see ``shards.ShardWriter``'s digest). The writing thread keeps its
     wake-up preemption (not ``SCHED_BATCH``): it runs for microseconds per write, and a late
     wake-up leaves the disk idle between two synchronous ``O_DIRECT`` writes."""
     try:

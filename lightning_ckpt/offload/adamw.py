@@ -20,6 +20,13 @@ Call order, per training step (the main thread unless said otherwise):
 
 A failure in the worker is raised at the next wait (the next forward or ``step()``) and stays: the
 state is no longer consistent (earlier chunks of that step were applied).
+
+Under ``ChunkedOffloadStrategy`` (CUDA or CPU) the parameters are views of the strategy's host
+chunks whenever the optimizer sees them (at construction and from the end of each backward), so
+this optimizer runs its CPU path: gradients arrive as host tensors (the strategy copied them out
+of the device), the write-back updates the host chunk, and the strategy fetches a chunk to the
+device only after ``wait_for`` its parameters. A parameter that views a larger buffer is never
+moved into the arena.
 """
 
 import weakref
@@ -332,6 +339,15 @@ class ChunkedAdamW(Optimizer):
             if chunk.owned:  # sharded mode: other ranks keep the step count only
                 state["exp_avg"] = chunk.exp_avg[i]
                 state["exp_avg_sq"] = chunk.exp_avg_sq[i]
+            return state
+        # Invariant: the state's moments are the arena's views and ``step`` is the CPU tensor the
+        # kernel counts in. Lightning moves optimizer state to the device after a load
+        # (``_optimizer_to_device``); those copies are frozen at the move, so point back at the
+        # arena, which is the truth, and bring ``step`` home (its value is the same).
+        if state["step"].device.type != "cpu":
+            state["step"] = state["step"].to("cpu", torch.float32)
+        if chunk.owned and state.get("exp_avg") is not chunk.exp_avg[i]:
+            state["exp_avg"], state["exp_avg_sq"] = chunk.exp_avg[i], chunk.exp_avg_sq[i]
         return state
 
     def _into_view(self, chunk: Chunk, i: int) -> None:
@@ -375,6 +391,10 @@ class ChunkedAdamW(Optimizer):
         collective: each moment is a ``DTensor`` held by its owner alone, viewing its arena.
         """
         self.wait()
+        for chunk in self._chunks:  # state moved off the arena from outside is pointed back first
+            for i, p in enumerate(chunk.params):
+                if "step" in self.state.get(p, {}):
+                    self._state_of(chunk, i)
         packed = super().state_dict()
         if self._group is None:
             return packed

@@ -40,3 +40,20 @@ def test_bench_offload_save_cuda_tiny(tmp_path: Path, monkeypatch) -> None:
     # AdamW's moments come off the device; ChunkedAdamW's are host memory the arena copies itself
     assert rows["AdamW fused"]["optimizer_d2h_bytes"] >= moments  # and its step counts (fused: on the device)
     assert rows["ChunkedAdamW"]["optimizer_d2h_bytes"] == 0 and rows["ChunkedAdamW"]["arena_copied_bytes"] == moments
+
+
+def test_bench_offload_strategy_cuda_tiny(tmp_path: Path) -> None:
+    json_path = tmp_path / "strategy.json"
+    # 8 blocks of 12.6M bf16 parameters (25 MB each, one chunk each) under a 160 MB budget that
+    # also holds cuBLAS workspaces and the activations: some blocks stream.
+    argv = ["--mode", "offload", "--strategy", "--device", "cuda", "--width", "1024", "--layers", "8", "--heads", "8",
+            "--vocab", "512", "--sequences", "2", "--seq-len", "128", "--budget", "160MB", "--chunk-size", "32MiB",
+            "--steps", "2", "--repeats", "1", "--json", str(json_path)]
+    assert bench.main(argv) == 0
+    rows = {r["contender"]: r for r in json.loads(json_path.read_text())["results"]}
+    assert set(rows) == {"resident (no strategy)", "FSDP2 CPUOffloadPolicy", "ChunkedOffloadStrategy"}
+    streamed = rows["ChunkedOffloadStrategy"]
+    assert "error" not in streamed, streamed
+    assert streamed["parameter_bytes"] > streamed["device_memory_budget"]
+    assert 0 < streamed["peak_device_bytes"] <= streamed["device_memory_budget"]
+    assert streamed["streamed_chunks"] > 0 and streamed["vs_resident"] > 0

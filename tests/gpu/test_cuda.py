@@ -86,15 +86,15 @@ def test_async_copies_overlap_forward_backward_and_are_handed_over_before_the_st
         state = _snapshot(model, optimizer)
         expected = _host_copy(state)
         io.prepare_staging(64 * 2**20, on_device=True)
-        io._pool._preparer.wait_for(io._pool.nbytes)  # no page-locking inside this save
+        io.async_saver.pool._preparer.wait_for(io.async_saver.pool.nbytes)  # no page-locking inside this save
         torch.cuda.synchronize()
         # Keep the training stream busy for a while: the copies (ordered after it) are still in
         # flight when the step comes, so the hand-over is exercised whatever the GPU's speed.
         torch.cuda._sleep(int(2e9))
         with io.overlapping():
             io.save_checkpoint(state, tmp_path / "gpu.ckpt")
-        assert io._pool.pinned_bytes > 0  # page-locked staging
-        pending = io._pending
+        assert io.async_saver.pool.pinned_bytes > 0  # page-locked staging
+        pending = io.async_saver.pending
         assert pending is not None  # the host did not wait for the device-to-host copies
         handed = []
 
@@ -113,7 +113,7 @@ def test_async_copies_overlap_forward_backward_and_are_handed_over_before_the_st
         assert handed == [False, False]  # the copies were not waited for before or during backward
         assert pending.copies._handed or pending.copies.landed()  # ordered after them, or no need
         io.wait()
-        assert io._pending is None
+        assert io.async_saver.pending is None
         torch.cuda.synchronize()
         assert io.copy_wait_seconds(tmp_path / "gpu.ckpt") >= 0.0
     finally:
@@ -154,7 +154,7 @@ def test_async_copies_outside_overlapping_are_waited_for_at_once(tmp_path):
         state = _snapshot(model, optimizer)
         expected = _host_copy(state)
         io.save_checkpoint(state, tmp_path / "gpu.ckpt")
-        pending = io._pending
+        pending = io.async_saver.pending
         assert pending is None or pending.copies._handed  # the training stream already waits for them
         with torch.no_grad():
             for p in model.parameters():
@@ -170,7 +170,7 @@ def test_staging_pool_is_pinned_in_the_background_before_the_first_save(tmp_path
     io = lc.ShardedCheckpointIO(async_save=True)
     try:
         io.prepare_staging(600 * 2**20, on_device=True)  # more than one PIN_CHUNK
-        pool = io._pool
+        pool = io.async_saver.pool
         assert pool.nbytes > 600 * 2**20
         pool._preparer.wait_for(pool.nbytes)
         assert pool.pinned_bytes == pool.nbytes

@@ -23,9 +23,9 @@ class ReportWriterPid(Callback):
         self.io, self.pid_file = io, pid_file
 
     def on_train_batch_end(self, trainer, *args) -> None:
-        if trainer.global_step == 3 and self.io._worker.pid is not None:
+        if trainer.global_step == 3 and self.io.async_saver.worker.pid is not None:
             with open(self.pid_file + ".tmp", "w") as f:
-                f.write(str(self.io._worker.pid))
+                f.write(str(self.io.async_saver.worker.pid))
             os.replace(self.pid_file + ".tmp", self.pid_file)
         time.sleep(0.05)
 

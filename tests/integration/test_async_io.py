@@ -19,7 +19,7 @@ def async_io():
     io = lc.ShardedCheckpointIO(async_save=True)
     yield io
     io.teardown()
-    assert io._worker.pid is None
+    assert io.async_saver.worker.pid is None
 
 
 def _state(scale: int = 1) -> dict:
@@ -72,11 +72,11 @@ def test_staging_pool_is_reused_and_grows_only_with_the_state(async_io, tmp_path
     for i in range(4):
         async_io.save_checkpoint(_state(), tmp_path / f"s{i}.ckpt")
         if i == 0:
-            generation, size = async_io._pool.generation, async_io._pool.nbytes
+            generation, size = async_io.async_saver.pool.generation, async_io.async_saver.pool.nbytes
     async_io.wait()
-    assert (async_io._pool.generation, async_io._pool.nbytes) == (generation, size)
+    assert (async_io.async_saver.pool.generation, async_io.async_saver.pool.nbytes) == (generation, size)
     async_io.save_checkpoint(_state(scale=3), tmp_path / "bigger.ckpt")
-    assert async_io._pool.generation == generation + 1 and async_io._pool.nbytes > size
+    assert async_io.async_saver.pool.generation == generation + 1 and async_io.async_saver.pool.nbytes > size
     async_io.wait()
     for name in ("s0.ckpt", "s3.ckpt", "bigger.ckpt"):
         lc.verify_checkpoint(tmp_path / name)
@@ -139,7 +139,7 @@ def test_background_error_surfaces_at_the_next_save(async_io, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     async_io.save_checkpoint(_state(), blocker / "bad.ckpt")
-    async_io._worker.wait()
+    async_io.async_saver.worker.wait()
     with pytest.raises(lc.CheckpointWriteError, match="bad.ckpt"):
         async_io.save_checkpoint(_state(), tmp_path / "next.ckpt")
     async_io.save_checkpoint(_state(), tmp_path / "next.ckpt")
@@ -162,7 +162,7 @@ def test_on_error_warn_lets_training_go_on(tmp_path):
 def test_writer_killed_mid_save_is_detected_and_restarted(async_io, tmp_path):
     async_io.save_checkpoint(_state(), tmp_path / "good.ckpt")
     async_io.wait()
-    first_pid = async_io._worker.pid
+    first_pid = async_io.async_saver.worker.pid
     async_io.save_checkpoint(_state(scale=200), tmp_path / "doomed.ckpt")  # 200 MB: still writing
     os.kill(first_pid, signal.SIGKILL)
     started = time.perf_counter()
@@ -172,7 +172,7 @@ def test_writer_killed_mid_save_is_detected_and_restarted(async_io, tmp_path):
     assert not (tmp_path / "doomed.ckpt").exists()
     async_io.save_checkpoint(_state(), tmp_path / "after.ckpt")
     async_io.wait()
-    assert async_io._worker.pid not in (None, first_pid)
+    assert async_io.async_saver.worker.pid not in (None, first_pid)
     assert sorted(os.listdir(tmp_path)) == ["after.ckpt", "good.ckpt"]  # leftovers cleaned
     lc.verify_checkpoint(tmp_path / "good.ckpt")
 
@@ -180,7 +180,7 @@ def test_writer_killed_mid_save_is_detected_and_restarted(async_io, tmp_path):
 def test_teardown_leaves_no_process_and_no_shared_memory(tmp_path):
     io = lc.ShardedCheckpointIO(async_save=True)
     io.save_checkpoint(_state(), tmp_path / "a.ckpt")
-    pid = io._worker.pid
+    pid = io.async_saver.worker.pid
     io.teardown()
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
     assert lc.load_checkpoint(tmp_path / "a.ckpt", verify=True)["global_step"] == 1
@@ -221,7 +221,7 @@ def test_state_larger_than_the_pool_cap_is_staged_in_chunks(tmp_path):
     io = lc.ShardedCheckpointIO(async_save=True, max_shard_size="300KB", staging_pool_size="1MB")
     try:
         io.save_checkpoint(state, tmp_path / "chunked.ckpt")
-        assert io._pool.nbytes == 10**6  # never grew beyond the cap
+        assert io.async_saver.pool.nbytes == 10**6  # never grew beyond the cap
         for t in state["state_dict"].values():
             t.zero_()  # everything was staged (or written) before save_checkpoint returned
         io.save_checkpoint(state, tmp_path / "zeros.ckpt")
@@ -280,7 +280,7 @@ def test_a_failed_save_never_removes_the_checkpoint_it_replaces(async_io, tmp_pa
     assert (tmp_path / "old.ckpt").exists()
     # Removal requested once the failure is known: refused.
     async_io.save_checkpoint(_state(), blocker / "again.ckpt")
-    async_io._worker.wait()
+    async_io.async_saver.worker.wait()
     with pytest.warns(UserWarning, match="Kept"):
         async_io.remove_checkpoint(tmp_path / "old.ckpt")
     assert (tmp_path / "old.ckpt").exists()
@@ -293,8 +293,8 @@ def test_second_save_of_the_same_step_reuses_the_staged_bytes(async_io, tmp_path
     state = _state(scale=20)
     async_io.save_checkpoint(state, tmp_path / "epoch=0-step=4.ckpt")
     staged = []
-    monkeypatch.setattr(async_io._pool, "stage", lambda *a: staged.append(a))
-    monkeypatch.setattr(async_io._worker, "wait", lambda: pytest.fail("the second save waited"))
+    monkeypatch.setattr(async_io.async_saver.pool, "stage", lambda *a: staged.append(a))
+    monkeypatch.setattr(async_io.async_saver.worker, "wait", lambda: pytest.fail("the second save waited"))
     state["epoch"] = 0  # the metadata of the second save differs, its tensors do not
     async_io.save_checkpoint(state, tmp_path / "last.ckpt")  # what save_last does in the same step
     assert staged == []
@@ -316,7 +316,7 @@ def test_interrupted_chunked_save_does_not_hang_teardown(tmp_path, monkeypatch):
     io = lc.ShardedCheckpointIO(async_save=True, max_shard_size="300KB", staging_pool_size="1MB")
     state = {"state_dict": {f"w{i}": torch.randn(64_000) for i in range(12)}}
     calls = []
-    original = io._pool.stage_shard
+    original = io.async_saver.pool.stage_shard
 
     def interrupted(*args):
         calls.append(1)
@@ -324,7 +324,7 @@ def test_interrupted_chunked_save_does_not_hang_teardown(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         original(*args)
 
-    monkeypatch.setattr(io._pool, "stage_shard", interrupted)
+    monkeypatch.setattr(io.async_saver.pool, "stage_shard", interrupted)
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint(state, tmp_path / "x.ckpt")
     done = threading.Event()

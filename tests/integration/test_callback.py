@@ -279,7 +279,7 @@ def test_async_staging_pool_is_prepared_after_the_first_step(tmp_path):
     class Watch(TinyRegressor):
         def on_train_batch_start(self, batch, batch_idx):
             if batch_idx == 1:  # after the first step, before any save
-                prepared.append((io._pool.nbytes, io._pool.generation))
+                prepared.append((io.async_saver.pool.nbytes, io.async_saver.pool.generation))
 
     trainer = Trainer(max_epochs=1, callbacks=[callback], plugins=[io], **trainer_kwargs())
     model = Watch()

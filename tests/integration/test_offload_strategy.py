@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
-from models import cli_trainer_yaml, trainer_kwargs
+from models import cli_trainer_yaml, fit_chunked, trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_ckpt as lc
@@ -82,12 +82,8 @@ def fit(strategy=None, max_steps: int = 6, frozen: bool = False, ckpt_path=None,
     model = Stack(frozen=frozen, blocks=blocks, compiled=compiled)
     callbacks = [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1)] if dirpath else []
     kwargs = trainer_kwargs(max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(dirpath))
-    if strategy is not None:
-        kwargs["strategy"] = strategy
     kwargs.update(overrides)
-    trainer = Trainer(**kwargs)
-    trainer.fit(model, ckpt_path=ckpt_path)
-    trainer.optimizers[0].wait()
+    trainer = fit_chunked(model, strategy, ckpt_path, **kwargs)
     return trainer, model
 
 
@@ -175,6 +171,17 @@ def test_a_budget_below_one_unit_fails_at_setup_naming_the_unit_and_bytes():
     strategy = lc.ChunkedOffloadStrategy(device_memory_budget=40_000, chunk_size="66KiB")
     with pytest.raises(lc.OffloadBudgetError, match=r"`device_memory_budget=40000`.* unit 'layers\.0': its parameter chunks take 66048 bytes"):
         fit(strategy)
+
+
+def test_more_than_one_device_fails_at_setup_naming_the_devices():
+    with pytest.raises(ValueError, match=r"trains on one device, but the Trainer was given 2 .*Pass `devices=1`"):
+        fit(offload(), devices=2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a process without CUDA")
+def test_a_cuda_device_without_cuda_fails_at_setup():
+    with pytest.raises(ValueError, match=r"device='cuda:0'\): CUDA is not available"):
+        fit(offload(device="cuda:0"))
 
 
 def test_unit_types_fetch_a_whole_block_as_one_unit():
@@ -301,3 +308,65 @@ def test_a_chunk_shared_by_two_units_waits_for_both_steps():
     assert model.losses == reference.losses
     assert_same(model, reference)
     assert strategy.memory_stats()["streamed_chunks"] > 0
+
+
+class SlowCopies(Callback):
+    """Every copy between host chunks and the stand-in device runs late, on a thread of its own
+    (``HostStreams.copy_delay``), and is logged: a use that does not wait for its fetch reads the
+    slot's previous chunk."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple] = []
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        streams = trainer.strategy._streamer.streams
+        streams.copy_delay = 0.002
+        streams.log = self.entries
+
+
+def test_delayed_copies_are_waited_for_and_slots_released_before_reuse():
+    _, reference = fit()
+    slow = SlowCopies()
+    strategy = offload(prefetch=2)
+    _, model = fit(strategy, callbacks=[slow])
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    copies = [e for e in slow.entries if e[0] == "copy_in" and isinstance(e[3][2], int)]
+    assert len(copies) > 6 * strategy.memory_stats()["slots"]  # slots were reused many times
+    last_copy: dict[int, int] = {}  # chunk -> event of its last copy
+    last_use: dict[int, int] = {}  # slot -> log position of the last use of what it holds
+    release: dict[int, tuple[int, int]] = {}  # slot -> (log position, event) of its last release
+    for i, entry in enumerate(slow.entries):
+        kind, event = entry[0], entry[1]
+        if kind == "copy_in":
+            _, chunk, slot = entry[3]
+            if isinstance(slot, int) and slot in last_use:
+                # Never overwritten while a kernel may read it: after the release that follows its last use.
+                assert slot in release and release[slot][0] > last_use[slot], entry
+                assert entry[2] == release[slot][1], entry
+            last_copy[chunk] = event
+        elif kind == "wait":
+            _, chunk, slot = entry[2]
+            assert event == last_copy[chunk], entry  # a use waits for the copy of that chunk
+            if isinstance(slot, int):
+                last_use[slot] = i
+        elif kind == "record" and entry[2][0] == "release":
+            release[entry[2][2]] = (i, event)
+        elif kind == "record" and entry[2][0] == "idle":
+            release.update({slot: (i, event) for slot in range(strategy.memory_stats()["slots"])})
+
+
+
+class ArenaCheck(Callback):
+    """After setup (the optimizer built), before any step: where each parameter's data lies."""
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.in_arena = [trainer.optimizers[0]._arena.holds(p) for p in pl_module.parameters()]
+
+
+def test_chunkedadamw_leaves_parameters_in_the_host_chunks():
+    # A chunk holding one parameter of exactly its size (a layer's weight): ChunkedAdamW must not
+    # take the parameter into its own arena (the strategy's fetches read the host chunk).
+    check = ArenaCheck()
+    fit(lc.ChunkedOffloadStrategy(device_memory_budget="10MB", chunk_size=WIDTH * WIDTH * 4), max_steps=1, callbacks=[check])
+    assert check.in_arena and not any(check.in_arena)

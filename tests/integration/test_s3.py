@@ -14,6 +14,7 @@ from s3_server import set_environment, start_or_skip
 
 import lightning_ckpt as lc
 from lightning_ckpt import remote
+from lightning_ckpt.remote import transfer
 
 BUCKET = "ckpts"
 
@@ -122,7 +123,7 @@ def test_killed_writer_commits_nothing_and_the_next_save_cleans_up(s3):
     while not _multipart_uploads(fs, prefix) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _multipart_uploads(fs, prefix), "no multipart upload began"
-    io._worker.kill()  # the writer dies mid-upload
+    io.async_saver.worker.kill()  # the writer dies mid-upload
     server.faults.clear()
     with pytest.raises(lc.CheckpointWriteError):
         io.wait()
@@ -150,7 +151,7 @@ def test_transient_errors_are_retried(s3):
 
 def test_a_failing_server_gives_a_clear_error_and_keeps_the_previous_checkpoint(s3, monkeypatch):
     server, prefix = s3
-    monkeypatch.setattr(remote, "_ATTEMPTS", 2)  # keep the test short: 2 of ours, 2 of botocore's each
+    monkeypatch.setattr(transfer, "_ATTEMPTS", 2)  # keep the test short: 2 of ours, 2 of botocore's each
     storage_options = {"config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}}}
     url = f"s3://{prefix}/last.ckpt"
     old = {"state_dict": {"w": torch.randn(1000)}, "global_step": 1}
@@ -221,7 +222,7 @@ def test_a_lost_reply_to_the_commit_keeps_the_committed_checkpoint(s3, monkeypat
     """CURRENT stored, but every reply to its PUT lost: the save is committed and must not delete
     the generation CURRENT now names."""
     server, prefix = s3
-    monkeypatch.setattr(remote, "_ATTEMPTS", 2)
+    monkeypatch.setattr(transfer, "_ATTEMPTS", 2)
     storage_options = {"config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}}}
     url = f"s3://{prefix}/last.ckpt"
     lc.save_checkpoint({"state_dict": {"w": torch.zeros(10)}, "global_step": 1}, url)

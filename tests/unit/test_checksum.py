@@ -12,9 +12,9 @@ import torch
 import xxhash
 
 import lightning_ckpt as lc
+from lightning_ckpt import digests
 from lightning_ckpt import manifest as fmt
-from lightning_ckpt import reader
-from lightning_ckpt.writer import ShardWriter
+from lightning_ckpt.shards import ShardWriter
 
 
 def test_algorithms():
@@ -86,12 +86,12 @@ def test_unknown_algorithm_is_unsupported_and_v1_must_be_crc32(tmp_path):
 
 
 def test_mapped_digest_matches_over_chunk_boundaries(tmp_path, monkeypatch):
-    monkeypatch.setattr(reader, "_VERIFY_CHUNK", mmap.PAGESIZE)
+    monkeypatch.setattr(digests, "CHUNK", mmap.PAGESIZE)
     data = os.urandom(5 * mmap.PAGESIZE + 123)
     file = tmp_path / "f"
     file.write_bytes(data)
     with open(file, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     for algorithm in fmt.HASHERS:
-        assert reader._mapped_digest(mapped, algorithm) == fmt.digest(data, algorithm)
+        assert digests.mapped_digest(mapped, algorithm) == fmt.digest(data, algorithm)
     mapped.close()

@@ -357,3 +357,28 @@ def test_parameters_viewing_a_larger_buffer_keep_their_memory():
     (chunk, i), (bchunk, j) = opt._where[p], opt._where[q]
     assert not chunk.aliased(i) and not bchunk.aliased(j)
     assert p.data_ptr() == flat.data_ptr()
+
+
+def test_state_moved_to_a_device_by_lightning_points_back_at_the_arena():
+    """Lightning moves optimizer state to the device after a load (``_optimizer_to_device``). Here
+    the meta device stands in for a GPU: the moved copies are frozen at the move, so the step and
+    later state dicts must go on using the arena and the CPU step counts."""
+    from lightning.fabric.utilities.optimizer import _optimizer_to_device
+
+    torch.manual_seed(0)
+    net = Net()
+    ref = copy.deepcopy(net)
+    ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, fused=True)
+    opt = ChunkedAdamW(groups(net), lr=1e-2)
+    _train_plain(ref, ref_opt, 3, 0)
+    _train_plain(net, opt, 3, 0)
+    _optimizer_to_device(opt, torch.device("meta"))
+    _train_plain(ref, ref_opt, 3, 1)
+    _train_plain(net, opt, 3, 1)
+    opt.wait()
+    assert_same(net, ref)
+    ours, theirs = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert ours.keys() == theirs.keys()
+    for key, state in theirs.items():
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            assert ours[key][name].device.type == "cpu" and torch.equal(ours[key][name], state[name]), (key, name)

@@ -13,7 +13,8 @@ from helpers import flip_byte
 
 import lightning_ckpt as lc
 from lightning_ckpt import manifest as fmt
-from lightning_ckpt.writer import TMP_MARKER, ShardWriter
+from lightning_ckpt.shards import ShardWriter
+from lightning_ckpt.writer import TMP_MARKER
 
 
 def _save(tmp_path, name: str = "ck.ckpt", **extra) -> str:
@@ -324,10 +325,10 @@ def test_bad_arguments_are_named():
 def test_a_write_error_mid_shard_raises_instead_of_hanging(tmp_path, monkeypatch):
     import threading
 
-    from lightning_ckpt import writer
+    from lightning_ckpt import shards
 
     calls = []
-    original = writer._write_all
+    original = shards._write_all
 
     def failing(fd, data):
         calls.append(1)
@@ -335,7 +336,7 @@ def test_a_write_error_mid_shard_raises_instead_of_hanging(tmp_path, monkeypatch
             raise OSError(28, "No space left on device")
         original(fd, data)
 
-    monkeypatch.setattr(writer, "_write_all", failing)
+    monkeypatch.setattr(shards, "_write_all", failing)
     outcome = []
 
     def save():

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lightning_ckpt.offload.placement import OffloadBudgetError, Unit, plan_offload
-from lightning_ckpt.offload.strategy import _Streamer
+from lightning_ckpt.offload.streamer import Streamer
+from lightning_ckpt.offload.streams import HostStreams
 
 # Four units of one 100-byte chunk each, and chunk 4 (50 bytes) that no unit holds.
 CHUNKS = [100, 100, 100, 100, 50]
@@ -64,12 +65,12 @@ def test_plans_stay_within_the_budget():
         assert all(chunks[c] <= plan.slot_bytes for c in streamed)
 
 
-def two_layers() -> tuple[list[torch.nn.Linear], _Streamer]:
+def two_layers() -> tuple[list[torch.nn.Linear], Streamer]:
     torch.manual_seed(0)
     layers = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
     # 64 + 64 bytes per layer (weight, bias padded): one 128-byte chunk each; 200 bytes: one slot.
     params = [p for layer in layers for p in layer.parameters()]
-    streamer = _Streamer([("a", layers[0]), ("b", layers[1])], params, 128, 200, 0, torch.device("cpu"))
+    streamer = Streamer([("a", layers[0]), ("b", layers[1])], params, 128, 200, 0, torch.device("cpu"), HostStreams())
     return layers, streamer
 
 
@@ -124,12 +125,58 @@ def test_configuration_errors_name_the_argument(options, message):
         ChunkedOffloadStrategy(**options)
 
 
+def test_a_device_other_than_cuda_or_cpu_is_refused_at_construction():
+    from lightning_ckpt import ChunkedOffloadStrategy
+
+    with pytest.raises(ValueError, match=r"ChunkedOffloadStrategy\(device='mps'\): only CUDA devices"):
+        ChunkedOffloadStrategy(device="mps")
+
+
+def test_host_streams_run_late_copies_in_order_after_what_they_wait_for():
+    streams = HostStreams()
+    streams.copy_delay = 0.01
+    streams.log = []
+    src, dst = torch.arange(4.0), torch.zeros(4)
+    release = streams.record(("release", 0, 0))
+    first = streams.copy_in(dst, src, after=release, label="a")
+    second = streams.copy_in(dst, src + 1, after=None, label="b")
+    assert not first.query()  # still on the copy thread: a use must wait for it
+    streams.wait(second, label="use")
+    assert first.query() and torch.equal(dst, src + 1)  # in issue order, like a stream
+    assert [e[0] for e in streams.log] == ["record", "copy_in", "copy_in", "wait"]
+    assert streams.log[1][2] == release.id
+    streams.close()
+
+
+def test_host_grads_add_arrivals_and_earlier_gradients_as_autograd_does():
+    from lightning_ckpt.offload.gradients import HostGrads
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    grads = HostGrads(HostStreams(), [p], [(0, 0)], {0: buffer}, pin=False)
+    a, b, c = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.1, 0.2, 0.3]), torch.tensor([7.0, 8.0, 9.0])
+    grads.begin()
+    for g in (a, b):  # a parameter whose gradient accumulator autograd made twice in one backward
+        p.grad = g.clone()
+        grads.arrive(p)
+        assert p.grad is None  # the device gradient is gone; the host buffer has it
+    grads.finish()
+    assert torch.equal(p.grad, a + b) and p.grad.data_ptr() == buffer.data_ptr()
+    grads.begin()  # gradient accumulation: the next backward adds to it
+    assert p.grad is None
+    p.grad = c.clone()
+    grads.arrive(p)
+    grads.finish()
+    assert torch.equal(p.grad, (a + b) + c) and p.grad.data_ptr() == buffer.data_ptr()
+    assert grads.d2h_bytes == 3 * 12
+
+
 def test_prefetch_order_and_eviction_after_the_warm_up():
     torch.manual_seed(0)
     layers = [torch.nn.Linear(4, 4) for _ in range(4)]
     model = torch.nn.Sequential(*layers)
     # One 128-byte chunk per layer; the warm-up traces 240 bytes of activations: two slots fit.
-    streamer = _Streamer([(str(i), m) for i, m in enumerate(layers)], list(model.parameters()), 128, 584, 2, torch.device("cpu"))
+    streamer = Streamer([(str(i), m) for i, m in enumerate(layers)], list(model.parameters()), 128, 584, 2, torch.device("cpu"), HostStreams())
     held: list[list[int | None]] = []
     for layer in layers:  # registered after the streamer's hooks: sees the slots after each fetch
         layer.register_forward_pre_hook(lambda module, args: held.append(list(streamer.holder)))

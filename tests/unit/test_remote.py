@@ -23,6 +23,7 @@ from lightning_ckpt import (
 )
 from lightning_ckpt import manifest as fmt
 from lightning_ckpt import remote
+from lightning_ckpt.remote import commit, tier
 
 
 pytestmark = pytest.mark.usefixtures("memory_fs")  # tests/conftest.py
@@ -124,8 +125,8 @@ def test_orphaned_generations_from_an_earlier_process_are_cleaned(memory_fs, mon
     old = f"gen-{int(time.time() * 1000) - 60_000:013d}-0badc0de"
     memory_fs.pipe_file(f"/bucket/run/b.ckpt/{old}/model-00001-of-00001.safetensors", b"partial")  # never committed
     memory_fs.pipe_file(f"/bucket/run/a.ckpt/{old}/metadata.json", b"{}")  # a stale one beside a committed one
-    monkeypatch.setattr(remote, "_PROCESS_STARTED_MS", int(time.time() * 1000))  # as if a new process
-    monkeypatch.setattr(remote, "_cleaned", set())
+    monkeypatch.setattr(commit, "_PROCESS_STARTED_MS", int(time.time() * 1000))  # as if a new process
+    monkeypatch.setattr(commit, "_cleaned", set())
     save_checkpoint(_state(2), "memory://bucket/run/c.ckpt")
     assert memory_fs.find("/bucket/run/b.ckpt") == []
     assert not any(old in p for p in memory_fs.find("/bucket/run/a.ckpt"))
@@ -313,13 +314,13 @@ def test_a_load_without_local_tier_downloads_into_shared_memory_when_it_fits(mon
     save_checkpoint(_state(1), url)
     fake_shm = tmp_path / "shm"
     fake_shm.mkdir()
-    monkeypatch.setattr(remote, "_SHARED_MEMORY", str(fake_shm))
+    monkeypatch.setattr(tier, "_SHARED_MEMORY", str(fake_shm))
     local, done = remote.local_copy_for_load(url, remote.RemoteOptions())
     assert local.startswith(str(fake_shm))
     assert _equal(load_checkpoint(local), _state(1))
     done()
     assert os.listdir(fake_shm) == []  # the download is gone once loaded
-    monkeypatch.setattr(remote, "_SHARED_MEMORY", str(tmp_path / "missing"))
+    monkeypatch.setattr(tier, "_SHARED_MEMORY", str(tmp_path / "missing"))
     local, done = remote.local_copy_for_load(url, remote.RemoteOptions())
     assert not local.startswith(str(tmp_path))  # no shared memory: the temporary folder
     done()

@@ -12,7 +12,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import lightning_ckpt as lc
-from lightning_ckpt import io as lio
+from lightning_ckpt.saver import Pending
 
 
 class LandOnHandOver:
@@ -34,7 +34,7 @@ class LandOnHandOver:
 
 
 def _pending_save(io: lc.ShardedCheckpointIO, log: list[str]) -> None:
-    io._pending = lio._Pending(LandOnHandOver(log), [lambda: log.append("submitted")])
+    io.async_saver.pending = Pending(LandOnHandOver(log), [lambda: log.append("submitted")])
 
 
 def _optimizer() -> torch.optim.Optimizer:
@@ -47,7 +47,7 @@ def _optimizer() -> torch.optim.Optimizer:
 def io():
     io = lc.ShardedCheckpointIO(async_save=True)
     yield io
-    io._pending = None  # a stand-in never lands on its own
+    io.async_saver.pending = None  # a stand-in never lands on its own
     io.teardown()
 
 
@@ -57,7 +57,7 @@ def test_a_pending_save_is_handed_to_the_writer_at_the_next_step(io) -> None:
     assert log == []
     _pending_save(io, log)
     _optimizer().step()
-    assert log == ["hand_over", "submitted"] and io._pending is None
+    assert log == ["hand_over", "submitted"] and io.async_saver.pending is None
 
 
 def test_with_a_closure_the_hand_over_follows_the_closure(io) -> None:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import lightning_ckpt.callback as callback_module
+import lightning_ckpt.schedule as schedule_module
 from lightning_ckpt import ShardedModelCheckpoint
 
 INTERVAL = 60.0
@@ -33,7 +33,7 @@ def _stock_saves(step_times: list[float], interval: float) -> list[int]:
 
 def _our_saves(monkeypatch, step_times: list[float], world_size: int = 2) -> tuple[list[int], int]:
     clock = _Clock()
-    monkeypatch.setattr(callback_module.time, "monotonic", clock)
+    monkeypatch.setattr(schedule_module.time, "monotonic", clock)
     broadcasts = []
 
     def broadcast(obj):
@@ -42,7 +42,7 @@ def _our_saves(monkeypatch, step_times: list[float], world_size: int = 2) -> tup
 
     trainer = SimpleNamespace(is_global_zero=True, world_size=world_size, strategy=SimpleNamespace(broadcast=broadcast))
     callback = ShardedModelCheckpoint(train_time_interval=timedelta(seconds=INTERVAL))
-    callback._time_reference = callback._last_check = 0.0  # as on_train_start does
+    callback._schedule.reference = callback._schedule.last_check = 0.0  # as on_train_start does
     saves = []
     for step, duration in enumerate(step_times, 1):
         clock.now += duration

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from lightning_ckpt import manifest as fmt
-from lightning_ckpt import writer
+from lightning_ckpt import shards
 from lightning_ckpt.worker import _wait_exit
 
 
@@ -19,21 +19,21 @@ def _image(size: int) -> mmap.mmap:
     return buffer
 
 
-@pytest.mark.parametrize("size", [0, 1, 4096, writer._BackgroundDigest._PIECE, 3 * writer._BackgroundDigest._PIECE + 17])
+@pytest.mark.parametrize("size", [0, 1, 4096, shards._BackgroundDigest._PIECE, 3 * shards._BackgroundDigest._PIECE + 17])
 def test_background_digest_equals_the_digest_of_the_bytes(size):
     buffer = _image(size)
     expected = fmt.digest(memoryview(buffer)[:size])
-    assert writer._BackgroundDigest(memoryview(buffer)[:size]).finish() == expected
+    assert shards._BackgroundDigest(memoryview(buffer)[:size]).finish() == expected
 
 
 def test_background_digest_finish_hashes_what_the_thread_has_not_reached(monkeypatch):
     # The idle thread is held before its first piece: finish() must hash the whole image itself,
     # and the thread must then stop without hashing anything twice.
-    size = 5 * writer._BackgroundDigest._PIECE + 3
+    size = 5 * shards._BackgroundDigest._PIECE + 3
     buffer = _image(size)
     gate = threading.Event()
-    monkeypatch.setattr(writer, "_lower_thread_priority", gate.wait)  # holds the idle thread
-    digest = writer._BackgroundDigest(memoryview(buffer)[:size])
+    monkeypatch.setattr(shards, "_lower_thread_priority", gate.wait)  # holds the idle thread
+    digest = shards._BackgroundDigest(memoryview(buffer)[:size])
     finisher = threading.Thread(target=lambda: result.append(digest.finish()))
     result: list[str] = []
     finisher.start()
@@ -44,9 +44,9 @@ def test_background_digest_finish_hashes_what_the_thread_has_not_reached(monkeyp
 
 
 def test_background_digest_cancel_stops_the_thread():
-    size = 8 * writer._BackgroundDigest._PIECE
+    size = 8 * shards._BackgroundDigest._PIECE
     buffer = _image(size)
-    digest = writer._BackgroundDigest(memoryview(buffer)[:size])
+    digest = shards._BackgroundDigest(memoryview(buffer)[:size])
     digest.cancel()
     assert not digest._thread.is_alive()
 
@@ -54,9 +54,9 @@ def test_background_digest_cancel_stops_the_thread():
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("max_rate", [None, 1e12])
 def test_write_image_records_the_digest_of_the_file(tmp_path, direct, max_rate):
-    size = 2 * writer._BackgroundDigest._PIECE + 12345
+    size = 2 * shards._BackgroundDigest._PIECE + 12345
     buffer = _image(size)
-    shard_writer = writer.ShardWriter(chunk_bytes=1 << 20, direct_io=direct, max_rate=max_rate)
+    shard_writer = shards.ShardWriter(chunk_bytes=1 << 20, direct_io=direct, max_rate=max_rate)
     direct = shard_writer.use_direct(str(tmp_path))
     record = shard_writer.write_image(str(tmp_path / "f"), buffer, 0, size, direct)
     data = (tmp_path / "f").read_bytes()
@@ -65,11 +65,11 @@ def test_write_image_records_the_digest_of_the_file(tmp_path, direct, max_rate):
 
 
 def test_write_image_failure_stops_the_digest_thread(tmp_path):
-    buffer = _image(3 * writer._BackgroundDigest._PIECE)
+    buffer = _image(3 * shards._BackgroundDigest._PIECE)
     (tmp_path / "taken").write_bytes(b"")
     before = {t.ident for t in threading.enumerate()}
     with pytest.raises(FileExistsError):
-        writer.ShardWriter(direct_io=False).write_image(str(tmp_path / "taken"), buffer, 0, len(buffer), False)
+        shards.ShardWriter(direct_io=False).write_image(str(tmp_path / "taken"), buffer, 0, len(buffer), False)
     assert not [t for t in threading.enumerate() if t.ident not in before and t.name == "lightning_ckpt-hash"]
 
 
@@ -86,11 +86,11 @@ def test_wait_exit_returns_the_exit_code_and_times_out():
 
 
 def test_background_digest_hurry_hashes_the_rest_while_the_idle_thread_is_starved(monkeypatch):
-    size = 3 * writer._BackgroundDigest._PIECE + 5
+    size = 3 * shards._BackgroundDigest._PIECE + 5
     buffer = _image(size)
     gate = threading.Event()
-    monkeypatch.setattr(writer, "_lower_thread_priority", gate.wait)  # holds the idle thread
-    digest = writer._BackgroundDigest(memoryview(buffer)[:size])
+    monkeypatch.setattr(shards, "_lower_thread_priority", gate.wait)  # holds the idle thread
+    digest = shards._BackgroundDigest(memoryview(buffer)[:size])
     digest.hurry()
     assert digest._helper is not None
     digest._helper.join()
