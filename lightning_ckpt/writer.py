@@ -399,7 +399,11 @@ def _is_internal(filename: str, target: str) -> bool:
 
 
 def write_shards(
-    plan: Plan, folder: str, shard_writer: ShardWriter, direct: bool, images: ImageSource | None,
+    plan: Plan,
+    folder: str,
+    shard_writer: ShardWriter,
+    direct: bool,
+    images: ImageSource | None,
     reuse: dict[str, Reused] | None = None,
 ) -> tuple[dict[str, fmt.FileRecord], set[str]]:
     """Write every shard of ``plan`` into ``folder`` (fsynced), from ``images`` when staged, but those
