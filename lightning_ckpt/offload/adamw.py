@@ -207,7 +207,7 @@ class ChunkedAdamW(Optimizer):
                     self._arena.writable(spec)
                     with torch.no_grad():
                         chunk.master[i].copy_(p)
-                    p.data = chunk.master[i]  # the parameter is its master weights: no write-back
+                    p.data = self._arena.own_storage(chunk.master[i])  # its master weights: no write-back
                     aliased.append(weakref.ref(p))
         largest = max((s.numel for s in layout.chunks), default=0)
         self._worker = Worker(Stepper(self._arena, largest, self.device, self._group))

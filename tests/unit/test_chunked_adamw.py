@@ -323,6 +323,8 @@ def test_cpu_fp32_parameters_are_their_master_weights_and_get_their_memory_back(
     opt = ChunkedAdamW(groups(net), lr=1e-2, chunk_size="1KiB")
     for p, (chunk, i) in opt._where.items():
         assert p.data_ptr() == chunk.master[i].data_ptr() and chunk.aliased(i)
+        # a storage of its own over those bytes: torch.save / safetensors of it write the parameter alone
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
     ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, fused=True)
     versions = {p: p._version for p in opt._where}
     train(net, opt, 3)
