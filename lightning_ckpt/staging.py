@@ -370,9 +370,17 @@ class StagingPool:
         self._claimed = []
         self.reserve(max(image_layout.nbytes, ALIGN), pin=bool(plan.cuda_devices()))
         later: list[tuple[Blob, int]] = []
-        for shard in plan.shards:
-            offset = image_layout.images[shard.filename][0]
-            later += self.stage_shard(shard, headers[shard.filename], offset, deferrable, defer_host)
+        try:
+            for shard in plan.shards:
+                offset = image_layout.images[shard.filename][0]
+                later += self.stage_shard(shard, headers[shard.filename], offset, deferrable, defer_host)
+        except BaseException:
+            # Invariant: no claim outlives the save that made it. Left behind, it would be copied
+            # later into the pool's bytes of the next save; made now, it lands in this failed one.
+            claimed, self._claimed = self._claimed, []
+            for source in claimed:
+                source.flush()
+            raise
         early_wait = None
         if later and self._queued:  # buffers and the like first: the forward may update them
             assert self._stream is not None

@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from lightning_ckpt.offload.chunks import MASTER_DTYPE, HostArena, assign_owners, plan_chunks, restrict
 from lightning_ckpt.offload.hooks import ChunkWaiter, Discover, GradMover
 from lightning_ckpt.offload.shares import owner_meshes, placed, shares_wanted
-from lightning_ckpt.offload.stepper import Chunk, Job, Stepper, Worker
+from lightning_ckpt.offload.stepper import Chunk, Job, Stepper, Worker, stamp
 from lightning_ckpt.plan import parse_size
 
 # Flags of torch.optim.AdamW this optimizer does not implement; the value it has instead.
@@ -207,7 +207,7 @@ class ChunkedAdamW(Optimizer):
                     self._arena.writable(spec)
                     with torch.no_grad():
                         chunk.master[i].copy_(p)
-                    p.data = chunk.master[i]  # the parameter is its master weights: no write-back
+                    p.data = self._arena.own_storage(chunk.master[i])  # its master weights: no write-back
                     aliased.append(weakref.ref(p))
         largest = max((s.numel for s in layout.chunks), default=0)
         self._worker = Worker(Stepper(self._arena, largest, self.device, self._group))
@@ -310,10 +310,10 @@ class ChunkedAdamW(Optimizer):
                         " build the module with `sparse=False`, or use torch.optim.SparseAdam for it."
                     )
                 self._into_view(chunk, i)
-                if chunk.owned and chunk.versions[i] != p._version and not chunk.aliased(i):  # set from outside
+                if chunk.owned and chunk.versions[i] != stamp(p) and not chunk.aliased(i):  # set from outside
                     self._arena.writable(chunk.spec)
                     chunk.master[i].copy_(p.detach())
-                    chunk.versions[i] = p._version
+                    chunk.versions[i] = stamp(p)
                 members.append(i)
             if not members:
                 continue

@@ -154,7 +154,9 @@ class HostArena:
         # ``_lock``, which is held while a chunk's copies are made, so a writer of the chunk
         # (``writable``) waits for a copy in progress rather than overtaking it.
         self._claims: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._lock = threading.Lock()
+        # Reentrant: the optimizer's finalizer (``close`` -> ``flush``) may run from a garbage
+        # collection on a thread that is copying claims already.
+        self._lock = threading.RLock()
         self.snapshot_bytes = 0  # bytes copied into staging pools for saves, ever
         self.copied_on_write = 0  # of those, bytes copied by a writer of the chunk (``writable``)
         register_deferred_source(self)
@@ -172,6 +174,15 @@ class HostArena:
         self._pool.wait_writable(spec.host_end)  # the pool's own wait for its background thread
         if self._claims:  # unlocked peek: claims are added on the training thread, between steps
             self._copy_claims(spec.index, on_write=True)
+
+    def own_storage(self, view: torch.Tensor) -> torch.Tensor:
+        """``view`` (contiguous, in this arena) as a tensor with a storage of its own over the same
+        bytes: what a parameter aliasing its master weights gets, so that ``torch.save`` or
+        safetensors of that parameter write its bytes, not the whole arena."""
+        offset = view.data_ptr() - self._bytes.data_ptr()
+        assert view.is_contiguous() and 0 <= offset and offset + view.numel() * view.element_size() <= self.nbytes
+        own = torch.frombuffer(self._pool.buffer, dtype=view.dtype, count=view.numel(), offset=offset)
+        return own.view(view.shape)
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Does ``tensor``'s data lie in this arena?"""

@@ -20,6 +20,11 @@ from torch.autograd.graph import increment_version
 from lightning_ckpt.offload.chunks import MASTER_DTYPE, ChunkSpec, HostArena
 
 
+def stamp(p: torch.Tensor) -> tuple[int, int]:
+    """What tells that ``p`` was written from outside since it was last seen (see ``Chunk.versions``)."""
+    return p.data_ptr(), p._version
+
+
 @dataclass(eq=False)
 class Chunk:
     """Runtime side of a :class:`ChunkSpec`. ``done`` is set while no step of the chunk is queued
@@ -33,7 +38,9 @@ class Chunk:
     master: list[torch.Tensor]  # views of master_flat / the moments with the parameters' shapes
     exp_avg: list[torch.Tensor]
     exp_avg_sq: list[torch.Tensor]
-    versions: list[int | None]  # each parameter's ``_version`` when master last matched it
+    # each parameter's (data pointer, ``_version``) when master last matched it: an in-place write
+    # bumps the version, ``p.data = ...`` changes the pointer (and keeps the version)
+    versions: list[tuple[int, int] | None]
     owner: int = 0  # the rank holding and stepping this chunk's state (sharded mode)
     owned: bool = True
     done: threading.Event = field(default_factory=threading.Event)
@@ -151,7 +158,7 @@ class Stepper:
                     else:
                         c.params[i].copy_(source[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]))
         for i in job.members:
-            c.versions[i] = c.params[i]._version
+            c.versions[i] = stamp(c.params[i])
 
     def __call__(self, job: Job) -> None:
         c = job.chunk

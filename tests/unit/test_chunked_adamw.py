@@ -323,6 +323,8 @@ def test_cpu_fp32_parameters_are_their_master_weights_and_get_their_memory_back(
     opt = ChunkedAdamW(groups(net), lr=1e-2, chunk_size="1KiB")
     for p, (chunk, i) in opt._where.items():
         assert p.data_ptr() == chunk.master[i].data_ptr() and chunk.aliased(i)
+        # a storage of its own over those bytes: torch.save / safetensors of it write the parameter alone
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
     ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, fused=True)
     versions = {p: p._version for p in opt._where}
     train(net, opt, 3)
@@ -382,3 +384,24 @@ def test_state_moved_to_a_device_by_lightning_points_back_at_the_arena():
     for key, state in theirs.items():
         for name in ("step", "exp_avg", "exp_avg_sq"):
             assert ours[key][name].device.type == "cpu" and torch.equal(ours[key][name], state[name]), (key, name)
+
+
+@pytest.mark.parametrize("aliased", [True, False])
+def test_a_parameter_replaced_with_data_assignment_is_taken_as_set(aliased):
+    """``p.data = t`` keeps the version counter: the pointer tells the optimizer its master is stale."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    if not aliased:  # a view of a larger buffer keeps its own memory
+        w = torch.zeros(100)[:16].view(4, 4)
+        w.copy_(lin.weight.detach())
+        lin.weight = torch.nn.Parameter(w)
+    opt = ChunkedAdamW(lin.parameters(), lr=0.0, weight_decay=0.0, overlap=False)
+    assert opt._chunks[0].aliased(0) is aliased
+    lin(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    lin.weight.data = torch.full((4, 4), 5.0)
+    lin(torch.randn(2, 4)).sum().backward()
+    opt.step()  # lr 0: the weight stays what it was set to
+    opt.wait()
+    assert torch.equal(lin.weight, torch.full((4, 4), 5.0))

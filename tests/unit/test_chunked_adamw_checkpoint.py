@@ -119,3 +119,45 @@ def test_state_dict_outlives_the_optimizer() -> None:
     the arena must not unmap memory that tensors still view (it used to segfault)."""
     done = subprocess.run([sys.executable, "-c", _OUTLIVE], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
+
+def test_a_stage_that_fails_midway_leaves_no_claim_behind(monkeypatch):
+    """Claims of a save whose staging raised (Ctrl-C, a failed copy) must not be copied later into
+    the pool's bytes of the next save staged there."""
+    net, optimizer = _model_and_optimizer()
+    _step(net, optimizer, 0)
+    pool = StagingPool()
+    pool.reserve(1 << 20)  # sized ahead, as early staging does: both saves use the same bytes
+    plan = make_plan({"optimizer": optimizer.state_dict()}, 2**30)
+    image_layout, headers = layout(plan)
+    calls, wait_writable = [0], StagingPool.wait_writable
+
+    def interrupted(self: StagingPool, end: int) -> None:
+        calls[0] += 1
+        if calls[0] == 6:  # after some of the moments were claimed
+            raise KeyboardInterrupt("interrupted while staging")
+        wait_writable(self, end)
+
+    monkeypatch.setattr(StagingPool, "wait_writable", interrupted)
+    try:
+        pool.stage(plan, image_layout, headers, defer_host=True)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.setattr(StagingPool, "wait_writable", wait_writable)
+    assert calls[0] == 6 and optimizer._arena.settled()
+
+    # A different checkpoint (a tensor first, so the moments sit at other offsets) in the same pool.
+    extra = torch.arange(300.0)
+    state = optimizer.state_dict()
+    at_save = {(k, n): t.clone() for k, entry in state["state"].items() for n, t in entry.items() if n != "step"}
+    plan = make_plan({"extra": extra, "optimizer": state}, 2**30)
+    image_layout, headers = layout(plan)
+    pool.stage(plan, image_layout, headers, defer_host=True).wait()
+    staged = _staged_state(pool, plan, image_layout)
+    for (k, n), value in at_save.items():
+        assert torch.equal(staged[("optimizer", "state", k, n)], value), (k, n)
+    blobs = {}
+    for offset, size in image_layout.images.values():
+        blobs.update(safetensors.torch.load(bytes(pool.buffer[offset : offset + size])))
+    assert torch.equal(blobs[next(s.blob for s in plan.tensors if s.path == ("extra",))], extra)
+    pool.close()
