@@ -20,6 +20,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Literal, Optional, Protocol, runtime_checkable
 
 import fsspec
+import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
@@ -88,7 +89,7 @@ class CheckpointIOFeatures(Protocol):
 
     def fall_back_on_damage(self, path: Any, fallbacks: list[str]) -> None: ...
 
-    def track_frozen(self, module: Any) -> None: ...
+    def track_frozen(self, module: torch.nn.Module) -> None: ...
 
 
 class ShardedCheckpointIO(CheckpointIO):
@@ -328,7 +329,7 @@ class ShardedCheckpointIO(CheckpointIO):
             )
         self._save(path, lambda: savejob.prepare(checkpoint, self.max_shard_size, self._stable()))
 
-    def track_frozen(self, module: Any) -> None:
+    def track_frozen(self, module: torch.nn.Module) -> None:
         """Keep the frozen weights of ``module`` (an ``nn.Module`` whose ``state_dict`` is the
         checkpoint's ``state_dict``, or Fabric's ``model``) in shards of their own, read at every
         save, so incremental saves reuse those files whole. A layout hint only: whether a file is
