@@ -4,6 +4,7 @@ every checkpoint stays complete and loads bit for bit, and no change is ever mis
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -124,3 +125,21 @@ def test_a_resumed_run_writes_its_first_checkpoint_and_reuses_within_itself(tmp_
     after = {os.stat(folder / n / STABLE).st_ino for n in ("step=3.ckpt", "step=4.ckpt", "last.ckpt")}
     assert len(after) == 1 and not after & before
     assert_each_loads_alone(folder, {**first.states, **second.states})
+
+
+def test_async_save_after_the_previous_checkpoint_was_removed_behind_the_plugins_back(tmp_path):
+    model = FrozenBackbone(width=64)
+    io = lc.ShardedCheckpointIO(async_save=True)
+    io.track_frozen(model)
+    try:
+        for name, reused in (("a.ckpt", False), ("b.ckpt", False), ("c.ckpt", True)):
+            io.save_checkpoint({"state_dict": model.state_dict(), "global_step": 0}, tmp_path / name)
+            io.wait()
+            assert (io.last_save.reused_bytes > 0) == reused, name
+            if name == "a.ckpt":
+                shutil.rmtree(tmp_path / name)  # not through the plugin: b is written whole, not linked
+        for name in ("b.ckpt", "c.ckpt"):
+            lc.verify_checkpoint(tmp_path / name)
+            assert torch.equal(lc.load_checkpoint(tmp_path / name)["state_dict"]["backbone.0.weight"], model.backbone[0].weight)
+    finally:
+        io.teardown()
