@@ -13,7 +13,9 @@ there and are initialized: :mod:`lightning_ckpt.offload.materialize`; the device
 only), then the optimizers are built over the host chunks; a checkpoint is restored after setup,
 into the host chunks; each step refreshes the resident chunks read outside the units,
 ``pre_backward`` puts earlier gradients aside, and ``post_backward`` ends the backward (the
-warm-up's plan after the first). Everything runs on the main thread.
+warm-up's plan after the first). An evaluation's end and every ``state_dict()`` of the model point
+the parameters back at their host chunks, so saves read host memory. Everything runs on the main
+thread.
 """
 
 import os
@@ -107,6 +109,7 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
         self._streamer: Optional[Streamer] = None
         self._last_stats: dict[str, int] = {}
         self._pending: list[Pending] = []  # meta-born tensors nothing has initialized yet
+        self._state_dict_hook: Any = None
 
     def _budget(self) -> int:
         if self.device_memory_budget != "auto":
@@ -222,6 +225,8 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
         self._streamer = Streamer(units, params, self.chunk_size, self._budget(), self.prefetch, device, streams)
         if born:
             self._pending = initialize(model, born)  # checked before the first step
+        # Any state dict of the model (a checkpoint's, a callback's) reads the host chunks.
+        self._state_dict_hook = model.register_state_dict_pre_hook(lambda *_: self._to_host())
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
@@ -281,6 +286,25 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
         with torch.autograd.graph.saved_tensors_hooks(self._streamer.pack_saved, self._streamer.unpack_saved):
             yield
 
+    def _to_host(self) -> None:
+        if self._streamer is not None:
+            self._streamer.to_host()
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        self._to_host()
+
+    @override
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        self._to_host()
+
+    @override
+    def on_predict_end(self) -> None:
+        super().on_predict_end()
+        self._to_host()
+
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         super().pre_backward(closure_loss)
@@ -311,6 +335,9 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
             self._last_stats = self._streamer.stats()
             self._streamer.close()
             self._streamer = None
+        if self._state_dict_hook is not None:
+            self._state_dict_hook.remove()
+            self._state_dict_hook = None
         self._pending = []
         super().teardown()
 

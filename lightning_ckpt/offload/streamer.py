@@ -359,6 +359,13 @@ class Streamer:
         self._backward_pos = None
         self._forward_pos = 0
 
+    def to_host(self) -> None:
+        """Outside a step (no unit running, no backward): every parameter back on its host chunk,
+        as after a backward, so that a save reads host memory; the next use fetches again."""
+        if any(self.pins.values()) or torch._C._current_graph_task_id() != -1:
+            return
+        self.release_all()
+
     # -- hooks ----------------------------------------------------------------------------------
 
     def _pre_forward(self, u: int, module: torch.nn.Module, args: Any) -> None:

@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.plugins import TorchCheckpointIO
 from models import cli_trainer_yaml, fit_chunked, trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -471,4 +472,58 @@ def test_a_meta_parameter_nothing_initializes_fails_naming_it_unless_a_checkpoin
     _, resumed = fit(offload(), model_options=dict(gain=True), max_steps=2 * EPOCH, empty_init=True, ckpt_path=str(folder / f"epoch=0-step={EPOCH}.ckpt"))
     assert resumed.losses == reference.losses[EPOCH:]
     assert_same(resumed, reference)
+
+
+def in_host_chunks(strategy: lc.ChunkedOffloadStrategy, t: torch.Tensor) -> bool:
+    return any(h.data_ptr() <= t.data_ptr() < h.data_ptr() + h.numel() for h in strategy._streamer.host)
+
+
+class HostCheckingIO(TorchCheckpointIO):
+    """Records, for each save, whether every parameter in the checkpoint views a host chunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.strategy: lc.ChunkedOffloadStrategy | None = None
+        self.saves: list[bool] = []
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        names = {name for name, _ in self.strategy.lightning_module.named_parameters()}
+        self.saves.append(all(in_host_chunks(self.strategy, t) for k, t in checkpoint["state_dict"].items() if k in names))
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class SaveAtValidationEnd(Callback):
+    """Saves where ``ModelCheckpoint(monitor=...)`` does (before the strategy's own end of
+    validation); then, at the next training batch, checks where the parameters point."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+        self.after_validation: list[bool] = []
+        self._validated = False
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            trainer.save_checkpoint(self.path / f"val-{trainer.global_step}.ckpt")
+            self._validated = True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._validated:
+            self.after_validation.append(all(in_host_chunks(trainer.strategy, p) for p in pl_module.parameters()))
+            self._validated = False
+
+
+def test_saves_during_and_after_validation_read_the_host_chunks(tmp_path):
+    io = HostCheckingIO()
+    # Everything resident: after validation every parameter points at its device copy.
+    strategy = lc.ChunkedOffloadStrategy(device_memory_budget="10MB", chunk_size="66KiB", checkpoint_io=io)
+    io.strategy = strategy
+    saver = SaveAtValidationEnd(tmp_path)
+    options = dict(limit_val_batches=2, val_check_interval=3, max_steps=7)
+    _, reference = fit(**options)
+    _, model = fit(strategy, callbacks=[saver], **options)
+    assert io.saves == [True, True]  # after steps 3 and 6
+    assert saver.after_validation == [True, True]
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    assert strategy.memory_stats()["resident_chunks"] > 0
 
