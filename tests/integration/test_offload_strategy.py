@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
-from lightning.pytorch.plugins import TorchCheckpointIO
+from lightning.pytorch.plugins import MixedPrecision, TorchCheckpointIO
 from models import cli_trainer_yaml, fit_chunked, trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -527,3 +527,17 @@ def test_saves_during_and_after_validation_read_the_host_chunks(tmp_path):
     assert_same(model, reference)
     assert strategy.memory_stats()["resident_chunks"] > 0
 
+
+def test_fp16_autocast_with_a_grad_scaler_over_host_gradients_equals_the_default_strategy():
+    # Trainer(precision="16-mixed", accelerator="cpu") becomes bf16-mixed in Lightning; the plugin
+    # itself runs fp16 autocast and torch's GradScaler on the CPU.
+    _, reference = fit(plugins=[MixedPrecision("16-mixed", "cpu")], max_steps=8)
+    # Autocast's fp16 weight copies count as activations (as in the bf16 test).
+    strategy = lc.ChunkedOffloadStrategy(device_memory_budget=420_000, chunk_size="66KiB")
+    trainer, model = fit(strategy, plugins=[MixedPrecision("16-mixed", "cpu")], max_steps=8)
+    scaler = trainer.precision_plugin.scaler
+    assert scaler is not None and scaler.get_scale() < 2.0**16  # steps with inf gradients were skipped
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    stats = strategy.memory_stats()
+    assert stats["peak_device_bytes"] <= stats["device_memory_budget"] and stats["streamed_chunks"] > 0
