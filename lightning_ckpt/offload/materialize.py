@@ -117,9 +117,9 @@ def initialize(model: torch.nn.Module, born: set[int]) -> list[Pending]:
             for t, values in keep:
                 t.copy_(values)
     pending = []
-    for key, t in tensors.items():
+    for key, (name, module) in owner.items():  # in module order
+        t = tensors[key]
         if not written(t):
-            name, module = owner[key]
             reason = "has no `reset_parameters()`" if not callable(getattr(module, "reset_parameters", None)) else "`reset_parameters()` does not write it"
             pending.append(Pending(name, type(module).__name__, reason, t, versions[key]))
     return pending
