@@ -541,3 +541,15 @@ def test_fp16_autocast_with_a_grad_scaler_over_host_gradients_equals_the_default
     assert_same(model, reference)
     stats = strategy.memory_stats()
     assert stats["peak_device_bytes"] <= stats["device_memory_budget"] and stats["streamed_chunks"] > 0
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_chunkedadamw_reads_the_host_gradients_in_place(precision):
+    # No copy of the gradients into ChunkedAdamW's own buffers: it never allocates them.
+    reference_trainer, reference = fit(precision=precision)
+    assert all(c.grad_buffer is not None for c in reference_trainer.optimizers[0]._chunks)
+    trainer, model = fit(offload(), precision=precision)
+    assert all(c.grad_buffer is None for c in trainer.optimizers[0]._chunks)
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    assert trainer.strategy.memory_stats()["streamed_chunks"] > 0
