@@ -58,7 +58,14 @@ def materialize_parameter(p: torch.nn.Parameter, memory: torch.Tensor) -> None:
     memory.zero_()
     new = torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=memory.device), requires_grad=p.requires_grad)
     new.__dict__.update(p.__dict__)  # swap_tensors swaps the attribute dicts too: keep p's
-    torch.utils.swap_tensors(p, new)
+    try:
+        torch.utils.swap_tensors(p, new)
+    except RuntimeError as exc:  # e.g. something holds a weak reference to the parameter
+        raise RuntimeError(
+            f"ChunkedOffloadStrategy: a meta parameter of shape {tuple(p.shape)} could not be given its memory in"
+            f" place ({exc}). Do not hold references into the model before `trainer.fit`, or build the model on the"
+            " CPU (`trainer.init_module()` without `empty_init=True`)."
+        ) from exc
     # ``.data =`` keeps p's own version counter (a view would share the whole chunk's): the writes
     # that initialize p are told apart from writes to its neighbours.
     p.data = memory

@@ -3,6 +3,8 @@ without Lightning: the host chunk is a plain tensor here."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -110,3 +112,11 @@ def test_buffers_shared_by_two_modules_stay_shared():
     born = materialize_buffers(model, torch.device("cpu"))
     assert model[0].running_mean is model[1].running_mean and not model[0].running_mean.is_meta
     assert id(model[0].running_mean) in born and len(born) == 5  # 2 x (mean, var, count), one shared
+
+
+def test_a_parameter_that_cannot_be_swapped_fails_with_the_fix():
+    with torch.device("meta"):
+        layer = torch.nn.Linear(2, 2)
+    held = weakref.ref(layer.weight)  # noqa: F841 - what blocks the swap
+    with pytest.raises(RuntimeError, match=r"meta parameter of shape \(2, 2\) could not be given its memory.*build the model on the\s+CPU"):
+        materialize_parameter(layer.weight, torch.zeros(2, 2))
