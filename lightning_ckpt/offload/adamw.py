@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from lightning_ckpt.offload.chunks import MASTER_DTYPE, HostArena, assign_owners, plan_chunks, restrict
 from lightning_ckpt.offload.hooks import ChunkWaiter, Discover, GradMover
 from lightning_ckpt.offload.shares import owner_meshes, placed, shares_wanted
-from lightning_ckpt.offload.stepper import Chunk, Job, Stepper, Worker
+from lightning_ckpt.offload.stepper import Chunk, Job, Stepper, Worker, slot_views
 from lightning_ckpt.plan import parse_size
 
 # Flags of torch.optim.AdamW this optimizer does not implement; the value it has instead.
@@ -188,14 +188,8 @@ class ChunkedAdamW(Optimizer):
             owned = owners[spec.index] == rank
             empty = torch.empty(0, dtype=MASTER_DTYPE)
             master_flat, avg, avg_sq = self._arena.tensors(spec) if owned else (empty, empty, empty)
-
-            def views(flat: torch.Tensor) -> list[torch.Tensor]:
-                if flat.numel() == 0:
-                    return []
-                return [flat[s.offset : s.offset + s.numel].view(p.shape) for s, p in zip(spec.slots, params)]
-
             chunk = Chunk(
-                spec, params, None, [], master_flat, views(master_flat), views(avg), views(avg_sq),
+                spec, params, None, [], master_flat, *(slot_views(spec, params, t) for t in (master_flat, avg, avg_sq)),
                 [None] * len(params), owners[spec.index], owned, device=self.device,
             )
             self._chunks.append(chunk)

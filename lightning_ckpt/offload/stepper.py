@@ -51,14 +51,21 @@ class Chunk:
         """``grads``, allocating the gradient buffer (zeros) on first use."""
         if self.grad_buffer is None:
             self.grad_buffer = torch.zeros(self.spec.numel, dtype=self.spec.dtype, device=self.device)
-            flat = self.grad_buffer
-            self.grads = [flat[s.offset : s.offset + s.numel].view(p.shape) for s, p in zip(self.spec.slots, self.params)]
+            self.grads = slot_views(self.spec, self.params, self.grad_buffer)
         return self.grads
 
     def aliased(self, i: int) -> bool:
         """Is parameter ``i`` a view of its master weights (CPU, fp32: the kernel updates it in place)?
         Checked each time: something may have pointed the parameter elsewhere since (``p.data = ...``)."""
         return self.owned and self.params[i].data_ptr() == self.master[i].data_ptr()
+
+
+def slot_views(spec: ChunkSpec, params: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
+    """Each parameter's view (its shape) of ``flat``, a tensor laid out as the chunk; none of an
+    empty one (state a rank does not own)."""
+    if flat.numel() == 0:
+        return []
+    return [flat[s.offset : s.offset + s.numel].view(p.shape) for s, p in zip(spec.slots, params)]
 
 
 @dataclass(eq=False)

@@ -19,8 +19,7 @@ thread.
 """
 
 import os
-from collections.abc import Callable
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, Optional, Union
 
