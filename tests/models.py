@@ -101,14 +101,15 @@ def fit_regressor(max_epochs: int, dirpath=None, every_n_train_steps: int = 2, c
     return trainer, model
 
 
-def fit_chunked(model: LightningModule, strategy=None, ckpt_path=None, **kwargs):
-    """``Trainer(**kwargs, strategy=strategy).fit(model)``; then waits for ``ChunkedAdamW``'s last
-    step (it runs in the background), so the model's weights are final."""
+def fit_chunked(model: LightningModule, strategy=None, ckpt_path=None, trainer=None, **kwargs):
+    """``Trainer(**kwargs, strategy=strategy).fit(model)`` (or ``trainer.fit(model)``); then waits
+    for ``ChunkedAdamW``'s last step (it runs in the background), so the model's weights are final."""
     from lightning.pytorch import Trainer
 
-    if strategy is not None:
-        kwargs["strategy"] = strategy
-    trainer = Trainer(**kwargs)
+    if trainer is None:
+        if strategy is not None:
+            kwargs["strategy"] = strategy
+        trainer = Trainer(**kwargs)
     trainer.fit(model, ckpt_path=ckpt_path)
     trainer.optimizers[0].wait()
     return trainer

@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from lightning_ckpt.offload.chunks import MASTER_DTYPE, HostArena, assign_owners, plan_chunks, restrict
 from lightning_ckpt.offload.hooks import ChunkWaiter, Discover, GradMover
 from lightning_ckpt.offload.shares import owner_meshes, placed, shares_wanted
-from lightning_ckpt.offload.stepper import Chunk, Job, Stepper, Worker, stamp
+from lightning_ckpt.offload.stepper import Chunk, Job, Stepper, Worker, slot_views, stamp
 from lightning_ckpt.plan import parse_size
 
 # Flags of torch.optim.AdamW this optimizer does not implement; the value it has instead.
@@ -185,19 +185,12 @@ class ChunkedAdamW(Optimizer):
         aliased: list[weakref.ref[torch.Tensor]] = []  # parameters living in the arena
         for spec in layout.chunks:
             params = [packed[s.param][1] for s in spec.slots]
-            buffer = torch.zeros(spec.numel, dtype=spec.dtype, device=self.device)
             owned = owners[spec.index] == rank
             empty = torch.empty(0, dtype=MASTER_DTYPE)
             master_flat, avg, avg_sq = self._arena.tensors(spec) if owned else (empty, empty, empty)
-
-            def views(flat: torch.Tensor) -> list[torch.Tensor]:
-                if flat.numel() == 0:
-                    return []
-                return [flat[s.offset : s.offset + s.numel].view(p.shape) for s, p in zip(spec.slots, params)]
-
             chunk = Chunk(
-                spec, params, buffer, views(buffer), master_flat, views(master_flat), views(avg), views(avg_sq),
-                [None] * len(params), owners[spec.index], owned,
+                spec, params, None, [], master_flat, *(slot_views(spec, params, t) for t in (master_flat, avg, avg_sq)),
+                [None] * len(params), owners[spec.index], owned, device=self.device,
             )
             self._chunks.append(chunk)
             for i, p in enumerate(params):
@@ -300,7 +293,7 @@ class ChunkedAdamW(Optimizer):
             grads_ready.record(torch.cuda.current_stream(self.device))
         waits = []
         for chunk in self._chunks:
-            members = []
+            members, grads = [], []
             for i, p in enumerate(chunk.params):
                 if p.grad is None:
                     continue
@@ -309,7 +302,9 @@ class ChunkedAdamW(Optimizer):
                         "ChunkedAdamW does not support sparse gradients (e.g. `nn.Embedding(sparse=True)`):"
                         " build the module with `sparse=False`, or use torch.optim.SparseAdam for it."
                     )
-                self._into_view(chunk, i)
+                if not self._reads_in_place(p):
+                    self._into_view(chunk, i)
+                grads.append(p.grad)
                 if chunk.owned and chunk.versions[i] != stamp(p) and not chunk.aliased(i):  # set from outside
                     self._arena.writable(chunk.spec)
                     chunk.master[i].copy_(p.detach())
@@ -322,7 +317,7 @@ class ChunkedAdamW(Optimizer):
             lr = group["lr"]
             job = Job(
                 chunk, members, steps, float(lr), float(group["betas"][0]), float(group["betas"][1]),
-                float(group["eps"]), float(group["weight_decay"]), grads_ready,
+                float(group["eps"]), float(group["weight_decay"]), grads_ready, grads,
             )
             chunk.done.clear()
             self._worker.jobs.put(job)
@@ -350,9 +345,19 @@ class ChunkedAdamW(Optimizer):
             state["exp_avg"], state["exp_avg_sq"] = chunk.exp_avg[i], chunk.exp_avg_sq[i]
         return state
 
+    def _reads_in_place(self, p: torch.Tensor) -> bool:
+        """Can the worker read ``p.grad`` where it is? On the CPU, a dense gradient of the
+        parameter's shape and dtype (``ChunkedOffloadStrategy``'s host gradient buffers): no copy
+        into the chunk's buffer, which is then never allocated."""
+        grad = p.grad
+        return (
+            self.device.type == "cpu" and grad is not None and grad.device.type == "cpu" and grad.layout == torch.strided
+            and grad.dtype == p.dtype and grad.shape == p.shape and grad.is_contiguous()
+        )
+
     def _into_view(self, chunk: Chunk, i: int) -> None:
         """Make parameter ``i``'s gradient its view of the chunk's buffer (copying it there)."""
-        p, view = chunk.params[i], chunk.grads[i]
+        p, view = chunk.params[i], chunk.grad_views()[i]
         grad = p.grad
         if grad is None or grad.data_ptr() == view.data_ptr():
             return
@@ -370,14 +375,19 @@ class ChunkedAdamW(Optimizer):
                     continue
                 if set_to_none:
                     p.grad = None
-                elif p in self._where and p.grad.data_ptr() == self._where[p][0].grads[self._where[p][1]].data_ptr():
+                elif p in self._where and self._in_view(p):
                     continue  # zeroed below with its whole buffer
                 else:
                     p.grad.detach_().requires_grad_(False)
                     p.grad.zero_()
         if not set_to_none:
             for chunk in self._chunks:
-                chunk.grad_buffer.zero_()
+                if chunk.grad_buffer is not None:
+                    chunk.grad_buffer.zero_()
+
+    def _in_view(self, p: torch.Tensor) -> bool:
+        chunk, i = self._where[p]
+        return bool(chunk.grads) and p.grad is not None and p.grad.data_ptr() == chunk.grads[i].data_ptr()
 
     # -- state dict -----------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ class GradMover:
             return
         chunk, i = optimizer._where[p]
         grad = p.grad
-        if grad is not None and grad.layout == torch.strided and grad.data_ptr() != chunk.grads[i].data_ptr():
+        if grad is not None and grad.layout == torch.strided and grad.data_ptr() != chunk.grad_views()[i].data_ptr():
             chunk.done.wait()  # the buffer is not being read by a step still in flight
             with torch.no_grad():
                 optimizer._into_view(chunk, i)

@@ -32,8 +32,11 @@ class Chunk:
 
     spec: ChunkSpec
     params: list[torch.Tensor]
-    grad_buffer: torch.Tensor  # flat, on the parameters' device, in their dtype
-    grads: list[torch.Tensor]  # views of grad_buffer with the parameters' shapes
+    # Flat, on the parameters' device, in their dtype: allocated when the first gradient is moved
+    # in (``grad_views``); never, when every gradient arrives as host memory of its own (a CPU
+    # step reads those in place: ``ChunkedOffloadStrategy``'s host gradient buffers).
+    grad_buffer: torch.Tensor | None
+    grads: list[torch.Tensor]  # views of grad_buffer with the parameters' shapes (empty until then)
     master_flat: torch.Tensor  # the chunk's fp32 master weights in the arena (empty: not owned)
     master: list[torch.Tensor]  # views of master_flat / the moments with the parameters' shapes
     exp_avg: list[torch.Tensor]
@@ -46,14 +49,30 @@ class Chunk:
     done: threading.Event = field(default_factory=threading.Event)
     synchronous: bool = True  # holds a parameter not seen in a module's forward: step() waits
     cuda_done: Any = None  # torch.cuda.Event after the last write-back (CUDA only)
+    device: torch.device = torch.device("cpu")  # the parameters' device (of the gradient buffer)
 
     def __post_init__(self) -> None:
         self.done.set()
+
+    def grad_views(self) -> list[torch.Tensor]:
+        """``grads``, allocating the gradient buffer (zeros) on first use."""
+        if self.grad_buffer is None:
+            self.grad_buffer = torch.zeros(self.spec.numel, dtype=self.spec.dtype, device=self.device)
+            self.grads = slot_views(self.spec, self.params, self.grad_buffer)
+        return self.grads
 
     def aliased(self, i: int) -> bool:
         """Is parameter ``i`` a view of its master weights (CPU, fp32: the kernel updates it in place)?
         Checked each time: something may have pointed the parameter elsewhere since (``p.data = ...``)."""
         return self.owned and self.params[i].data_ptr() == self.master[i].data_ptr()
+
+
+def slot_views(spec: ChunkSpec, params: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
+    """Each parameter's view (its shape) of ``flat``, a tensor laid out as the chunk; none of an
+    empty one (state a rank does not own)."""
+    if flat.numel() == 0:
+        return []
+    return [flat[s.offset : s.offset + s.numel].view(p.shape) for s, p in zip(spec.slots, params)]
 
 
 @dataclass(eq=False)
@@ -67,6 +86,7 @@ class Job:
     eps: float
     weight_decay: float
     grads_ready: Any = None  # torch.cuda.Event on the training stream (CUDA only)
+    grads: list[torch.Tensor] = field(default_factory=list)  # the members' ``.grad`` at ``step()``
 
 
 class Worker:
@@ -121,18 +141,20 @@ class Stepper:
 
     def _host_grads(self, job: Job) -> list[torch.Tensor]:
         c = job.chunk
-        if not self.cuda and c.grad_buffer.dtype == MASTER_DTYPE:
-            return [c.grads[i] for i in job.members]  # already host memory: used in place
+        if not self.cuda and c.spec.dtype == MASTER_DTYPE:
+            return job.grads  # already host memory (the chunk's views, or a buffer of their own): read in place
         flat = self.host_grad[: c.spec.numel]
+        slots = c.spec.slots
+        views = [flat[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]) for i in job.members]
         if self.cuda:
             with torch.cuda.device(self.device), torch.cuda.stream(self.d2h):
                 self.d2h.wait_event(job.grads_ready)
                 flat.copy_(c.grad_buffer, non_blocking=True)
             self.d2h.synchronize()
         else:
-            flat.copy_(c.grad_buffer)  # bf16 / fp16 gradients upcast once per chunk
-        slots = c.spec.slots
-        return [flat[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]) for i in job.members]
+            for view, grad in zip(views, job.grads):
+                view.copy_(grad)  # bf16 / fp16 gradients upcast
+        return views
 
     def _write_back(self, job: Job, source: torch.Tensor) -> None:
         """Updated fp32 values of the chunk (``source``: host, flat) into its parameters."""

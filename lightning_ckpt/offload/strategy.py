@@ -7,14 +7,19 @@ standing in for them) :mod:`lightning_ckpt.offload.streams`; the plan
 :mod:`lightning_ckpt.offload.placement`.
 
 Call order: ``setup_environment`` resolves the device (the accelerator's one device);
-``setup`` moves every parameter into host chunks (``model_to_device``; the device gets buffers
-only), then the optimizers are built over the host chunks; each step refreshes the resident chunks
-read outside the units, ``pre_backward`` puts earlier gradients aside, and ``post_backward`` ends
-the backward (the warm-up's plan after the first). Everything runs on the main thread.
+``configure_model`` builds in host memory, or on the meta device (``tensor_init_context``);
+``setup`` moves every parameter into host chunks (``model_to_device``; meta ones get their place
+there and are initialized: :mod:`lightning_ckpt.offload.materialize`; the device gets buffers
+only), then the optimizers are built over the host chunks; a checkpoint is restored after setup,
+into the host chunks; each step refreshes the resident chunks read outside the units,
+``pre_backward`` puts earlier gradients aside, and ``post_backward`` ends the backward (the
+warm-up's plan after the first). An evaluation's end and every ``state_dict()`` of the model point
+the parameters back at their host chunks, so saves read host memory. Everything runs on the main
+thread.
 """
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, Optional, Union
 
@@ -30,6 +35,13 @@ from typing_extensions import override
 
 from lightning_ckpt.activation import installed_checkpointing, module_matcher
 from lightning_ckpt.offload.adamw import ChunkedAdamW
+from lightning_ckpt.offload.materialize import (
+    Pending,
+    check_written,
+    initialize,
+    materialize_buffers,
+    meta_parameters,
+)
 from lightning_ckpt.offload.placement import OffloadBudgetError
 from lightning_ckpt.offload.streamer import Streamer, unique
 from lightning_ckpt.offload.streams import streams_for
@@ -95,6 +107,8 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
         )
         self._streamer: Optional[Streamer] = None
         self._last_stats: dict[str, int] = {}
+        self._pending: list[Pending] = []  # meta-born tensors nothing has initialized yet
+        self._state_dict_hook: Any = None
 
     def _budget(self) -> int:
         if self.device_memory_budget != "auto":
@@ -151,6 +165,22 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
         self._root_device = self._resolve_device()
         super().setup_environment()
 
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """Where ``trainer.init_module()`` and ``configure_model`` create tensors: on the meta device
+        with ``empty_init=True`` (given their memory in the host chunks at setup, then initialized:
+        docs/offload.md), else in host memory. Never on the device: the model may not fit it."""
+        with torch.device("meta" if empty_init else "cpu"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # A checkpoint's weights are loaded into the host chunks: a model built on the meta device
+        # has no memory to load into before setup.
+        return True
+
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         # Strategy.setup without its last move: optimizer state stays in host memory, next to the
@@ -183,16 +213,19 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
         device = self.root_device
         streams = streams_for(device)
         streams.reset_peak()  # the allocator's peak (CUDA) counts from here, buffers included
-        # Buffers are small and read anywhere: they go to the device as they are.
+        born = meta_parameters(model)
+        # Buffers are small and read anywhere: they go to the device as they are (meta ones zeroed).
+        born |= materialize_buffers(model, device)
         for module in model.modules():
-            for key, buffer in module._buffers.items():
-                if buffer is not None:
-                    module._buffers[key] = buffer.to(device)
             if isinstance(module, _DeviceDtypeModuleMixin):
                 module._device = device  # `self.device` in the LightningModule: where its inputs go
         order = unique(p for _, m in units for p in m.parameters())
         params = unique([*order, *model.parameters()])
         self._streamer = Streamer(units, params, self.chunk_size, self._budget(), self.prefetch, device, streams)
+        if born:
+            self._pending = initialize(model, born)  # checked before the first step
+        # Any state dict of the model (a checkpoint's, a callback's) reads the host chunks.
+        self._state_dict_hook = model.register_state_dict_pre_hook(lambda *_: self._to_host())
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
@@ -236,17 +269,40 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
         return super().predict_step(*args, **kwargs)
 
     def _refresh(self) -> None:
+        """Before each step: meta-born tensors written by now, resident chunks read outside the units filled."""
+        if self._pending:
+            check_written(self._pending)  # raises naming what nothing initialized
+            self._pending = []
         if self._streamer is not None:
             self._streamer.refresh_unhooked()
 
     @contextmanager
     def _saved_tensor_hooks(self) -> Any:
+        self._refresh()
         if self._streamer is None:
             yield
             return
-        self._streamer.refresh_unhooked()
         with torch.autograd.graph.saved_tensors_hooks(self._streamer.pack_saved, self._streamer.unpack_saved):
             yield
+
+    def _to_host(self) -> None:
+        if self._streamer is not None:
+            self._streamer.to_host()
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        self._to_host()
+
+    @override
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        self._to_host()
+
+    @override
+    def on_predict_end(self) -> None:
+        super().on_predict_end()
+        self._to_host()
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
@@ -278,6 +334,10 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
             self._last_stats = self._streamer.stats()
             self._streamer.close()
             self._streamer = None
+        if self._state_dict_hook is not None:
+            self._state_dict_hook.remove()
+            self._state_dict_hook = None
+        self._pending = []
         super().teardown()
 
 

@@ -54,6 +54,7 @@ import torch
 from lightning_ckpt.offload.adamw import ChunkedAdamW
 from lightning_ckpt.offload.chunks import plan_chunks
 from lightning_ckpt.offload.gradients import HostGrads
+from lightning_ckpt.offload.materialize import materialize_parameter
 from lightning_ckpt.offload.placement import OffloadPlan, Unit, plan_offload
 from lightning_ckpt.offload.streams import Streams
 from lightning_ckpt.staging import StagingPool
@@ -126,7 +127,8 @@ class Streamer:
     # -- layout -------------------------------------------------------------------------------
 
     def _pack(self, params: list[torch.nn.Parameter]) -> None:
-        """Move every parameter's data into host chunks, in the order of ``params``."""
+        """Move every parameter's data into host chunks, in the order of ``params`` (a parameter on
+        the meta device gets its place there, zeroed)."""
         self.params = params
         entries = [(0, aligned(p.numel() * p.element_size()), p.dtype) for p in params]
         layout = plan_chunks(entries, self._chunk_bytes_arg)
@@ -161,8 +163,11 @@ class Streamer:
                     p = params[slot.param]
                     self.chunk_of[id(p)] = spec.index
                     view = self._view(self.host[spec.index], slot.offset, p)
-                    view.copy_(p.detach())
-                    p.data = view
+                    if p.is_meta:  # no values yet: zeroed in its chunk, initialized by the strategy
+                        materialize_parameter(p, view)
+                    else:
+                        view.copy_(p.detach())
+                        p.data = view
         old, self.grads = self.grads, HostGrads(self.streams, params, places, grad_buffers, pin=self.device.type == "cuda")
         if old is not None:
             self.grads.adopt(old)
@@ -353,6 +358,13 @@ class Streamer:
         self._recompute_units = set()
         self._backward_pos = None
         self._forward_pos = 0
+
+    def to_host(self) -> None:
+        """Outside a step (no unit running, no backward): every parameter back on its host chunk,
+        as after a backward, so that a save reads host memory; the next use fetches again."""
+        if any(self.pins.values()) or torch._C._current_graph_task_id() != -1:
+            return
+        self.release_all()
 
     # -- hooks ----------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import gc
 
 import pytest
 import torch
-from lightning.pytorch import Callback, LightningModule, seed_everything
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from models import fit_chunked, trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
@@ -65,9 +65,10 @@ def offload(**options) -> lc.ChunkedOffloadStrategy:
     return lc.ChunkedOffloadStrategy(device_memory_budget=budget(), chunk_size="17MiB", **options)
 
 
-def fit(strategy=None, max_steps: int = 6, callbacks=(), ckpt_path=None, dirpath=None, **overrides):
+def fit(strategy=None, max_steps: int = 6, callbacks=(), ckpt_path=None, dirpath=None, empty_init=False, **overrides):
+    """A seeded fit of a fresh ``Residual``; ``empty_init``: built inside
+    ``trainer.init_module(empty_init=True)`` (the meta device under ``ChunkedOffloadStrategy``)."""
     seed_everything(0)
-    model = Residual()
     callbacks = list(callbacks)
     if dirpath is not None:
         callbacks.append(ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1))
@@ -78,7 +79,15 @@ def fit(strategy=None, max_steps: int = 6, callbacks=(), ckpt_path=None, dirpath
         enable_checkpointing=dirpath is not None,
     )
     kwargs.update(overrides)
-    trainer = fit_chunked(model, strategy, ckpt_path, **kwargs)
+    if strategy is not None:
+        kwargs["strategy"] = strategy
+    trainer = Trainer(**kwargs)
+    if empty_init:
+        with trainer.init_module(empty_init=True):
+            model = Residual()
+    else:
+        model = Residual()  # on the CPU, as the meta-built model's reset_parameters() draw
+    fit_chunked(model, trainer=trainer, ckpt_path=ckpt_path)
     torch.cuda.synchronize()
     return trainer, model
 
@@ -88,14 +97,16 @@ def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(x.detach().cpu(), y.detach().cpu()), name
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_streams_within_the_budget_and_equals_the_default_strategy(precision):
+# empty_init: built on the meta device, materialized in the host chunks and initialized there by
+# reset_parameters() from the CPU generator: the CPU-built reference's weights.
+@pytest.mark.parametrize(("precision", "empty_init"), [("32-true", False), ("bf16-mixed", False), ("32-true", True)])
+def test_streams_within_the_budget_and_equals_the_default_strategy(precision, empty_init):
     _, reference = fit(precision=precision)
     gc.collect()  # the reference run's optimizer and its device buffers
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     strategy = offload()
-    _, model = fit(strategy, precision=precision)
+    _, model = fit(strategy, precision=precision, empty_init=empty_init)
     assert model.losses == reference.losses
     assert_same(model, reference)
     stats = strategy.memory_stats()
@@ -170,3 +181,16 @@ def test_auto_budget_comes_from_the_free_device_memory():
     stats = strategy.memory_stats()
     assert 0 < stats["device_memory_budget"] <= free
     assert stats["resident_chunks"] > 0  # everything fits: nothing streams
+
+
+def test_fp16_mixed_scales_the_host_gradients_equal_to_the_default_strategy():
+    # Lightning's own 16-mixed: fp16 autocast and a CUDA GradScaler, here unscaling host gradients.
+    trainer_ref, reference = fit(precision="16-mixed")
+    strategy = offload()
+    trainer, model = fit(strategy, precision="16-mixed")
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    assert trainer.precision_plugin.scaler.get_scale() == trainer_ref.precision_plugin.scaler.get_scale()
+    stats = strategy.memory_stats()
+    assert stats["peak_device_bytes"] <= stats["device_memory_budget"] and stats["streamed_chunks"] > 0
+

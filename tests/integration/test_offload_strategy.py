@@ -5,12 +5,14 @@ clipping, and checkpoints moving between the two strategies."""
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.plugins import MixedPrecision, TorchCheckpointIO
 from models import cli_trainer_yaml, fit_chunked, trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -20,11 +22,46 @@ WIDTH = 128
 VOCAB = 16
 
 
-class Stack(LightningModule):
-    """Tied embedding / head around a stack of linear layers; optionally one frozen layer."""
+class Gain(torch.nn.Module):
+    """A parameter without ``reset_parameters()``: on the meta device nothing can initialize it."""
 
-    def __init__(self, layers: int = 8, frozen: bool = False, blocks: bool = False, compiled: bool = False) -> None:
+    def __init__(self) -> None:
         super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+class Stack(LightningModule):
+    """Tied embedding / head around a stack of linear layers; optionally one frozen layer, a
+    BatchNorm (buffers) or a ``Gain`` after the stack. ``build_on``: built in ``configure_model``
+    under that device (``"meta"``, ``"cpu"``) instead of here."""
+
+    def __init__(
+        self,
+        layers: int = 8,
+        frozen: bool = False,
+        blocks: bool = False,
+        compiled: bool = False,
+        norm: bool = False,
+        gain: bool = False,
+        build_on: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.options = dict(layers=layers, frozen=frozen, blocks=blocks, compiled=compiled, norm=norm, gain=gain)
+        self.build_on = build_on
+        self.losses: list[float] = []
+        self.val_logits: list[torch.Tensor] = []
+        if build_on is None:
+            self.build(**self.options)
+
+    def configure_model(self) -> None:
+        if self.build_on is not None and not hasattr(self, "embed"):
+            with torch.device(self.build_on):
+                self.build(**self.options)
+
+    def build(self, layers: int, frozen: bool, blocks: bool, compiled: bool, norm: bool, gain: bool) -> None:
         self.embed = torch.nn.Embedding(VOCAB, WIDTH)
         if blocks:  # pairs of linear layers, for activation checkpointing of a block
             pairs = (torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh(), torch.nn.Linear(WIDTH, WIDTH)) for _ in range(layers // 2))
@@ -37,25 +74,29 @@ class Stack(LightningModule):
             self.layers[2].requires_grad_(False)
         if compiled:  # one unit's forward compiled; the strategy's module hooks stay outside it
             self.layers[3].forward = torch.compile(self.layers[3].forward, backend="aot_eager")
-        self.losses: list[float] = []
-        self.val_logits: list[torch.Tensor] = []
+        self.norm = torch.nn.BatchNorm1d(WIDTH) if norm else None
+        self.gain = Gain() if gain else None
 
-    def training_step(self, batch, batch_idx):
-        (tokens,) = batch
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens[:, :-1])
         for layer in self.layers:
             x = x + torch.tanh(layer(x))
-        logits = self.head(x)
+        if self.norm is not None:
+            x = self.norm(x.transpose(1, 2)).transpose(1, 2)
+        if self.gain is not None:
+            x = self.gain(x)
+        return self.head(x)
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        logits = self.logits(tokens)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
         self.losses.append(loss.item())
         return loss
 
     def validation_step(self, batch, batch_idx):
         (tokens,) = batch
-        x = self.embed(tokens[:, :-1])
-        for layer in self.layers:
-            x = x + torch.tanh(layer(x))
-        self.val_logits.append(self.head(x).float())
+        self.val_logits.append(self.logits(tokens).float())
 
     def val_dataloader(self):
         return self.train_dataloader()
@@ -77,13 +118,19 @@ def budget_for(model: torch.nn.Module) -> int:
     return param_bytes(model) // 3
 
 
-def fit(strategy=None, max_steps: int = 6, frozen: bool = False, ckpt_path=None, dirpath=None, blocks: bool = False, compiled: bool = False, **overrides):
+def fit(strategy=None, max_steps: int = 6, ckpt_path=None, dirpath=None, model_options=None, empty_init=False, **overrides):
+    """A seeded fit of a fresh ``Stack(**model_options)``; ``empty_init``: built inside
+    ``trainer.init_module(empty_init=True)``. Returns (trainer, model)."""
     seed_everything(0, workers=True)
-    model = Stack(frozen=frozen, blocks=blocks, compiled=compiled)
     callbacks = [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=-1)] if dirpath else []
     kwargs = trainer_kwargs(max_steps=max_steps, callbacks=callbacks, enable_checkpointing=bool(dirpath))
     kwargs.update(overrides)
-    trainer = fit_chunked(model, strategy, ckpt_path, **kwargs)
+    if strategy is not None:
+        kwargs["strategy"] = strategy
+    trainer = Trainer(**kwargs)
+    with trainer.init_module(empty_init=True) if empty_init else nullcontext():
+        model = Stack(**(model_options or {}))
+    fit_chunked(model, trainer=trainer, ckpt_path=ckpt_path)
     return trainer, model
 
 
@@ -114,7 +161,7 @@ def test_streams_within_budget_and_equals_the_default_strategy(prefetch):
 
 
 def test_frozen_layer_accumulation_and_clipping_equal_the_default_strategy():
-    options = dict(frozen=True, accumulate_grad_batches=2, gradient_clip_val=0.05)
+    options = dict(model_options=dict(frozen=True), accumulate_grad_batches=2, gradient_clip_val=0.05)
     _, reference = fit(**options)
     strategy = offload()
     trainer, model = fit(strategy, **options)
@@ -130,9 +177,9 @@ def test_frozen_layer_accumulation_and_clipping_equal_the_default_strategy():
 @pytest.mark.parametrize("selective", [False, True])
 def test_activation_checkpointing_recomputes_a_block_within_the_budget(selective):
     callbacks = lambda: [lc.ActivationCheckpointing({torch.nn.Sequential}, selective=selective)]  # noqa: E731
-    _, reference = fit(blocks=True, callbacks=callbacks())
+    _, reference = fit(model_options=dict(blocks=True), callbacks=callbacks())
     strategy = offload(prefetch=0)  # without prefetch, one slot per unit would do
-    _, model = fit(strategy, blocks=True, callbacks=callbacks())
+    _, model = fit(strategy, model_options=dict(blocks=True), callbacks=callbacks())
     assert model.losses == reference.losses
     assert_same(model, reference)
     stats = strategy.memory_stats()
@@ -156,12 +203,12 @@ def test_bf16_autocast_and_validation_equal_the_default_strategy():
 
 def test_a_compiled_unit_streams_without_recompiles():
     torch._dynamo.reset()
-    _, reference = fit(compiled=True)
+    _, reference = fit(model_options=dict(compiled=True))
     torch._dynamo.reset()
     strategy = offload()
     # Parameters change storage between host chunks and slots every step: that must not recompile.
     with torch._dynamo.config.patch(error_on_recompile=True):
-        _, model = fit(strategy, compiled=True)
+        _, model = fit(strategy, model_options=dict(compiled=True))
     assert model.losses == reference.losses
     assert_same(model, reference)
     assert strategy.memory_stats()["streamed_chunks"] > 0
@@ -370,3 +417,139 @@ def test_chunkedadamw_leaves_parameters_in_the_host_chunks():
     check = ArenaCheck()
     fit(lc.ChunkedOffloadStrategy(device_memory_budget="10MB", chunk_size=WIDTH * WIDTH * 4), max_steps=1, callbacks=[check])
     assert check.in_arena and not any(check.in_arena)
+
+
+class InitialWeights(Callback):
+    """The model's weights when training starts: after setup (and a model built on the meta device
+    materialized and initialized), before any step."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.weights = {name: p.detach().clone() for name, p in pl_module.named_parameters()}
+        self.buffers = {name: b.detach().clone() for name, b in pl_module.named_buffers()}
+
+
+@pytest.mark.parametrize("how", ["init_module", "configure_model"])
+def test_a_model_built_on_meta_trains_equal_to_the_same_model_built_on_the_cpu(how):
+    options = dict(norm=True)  # BatchNorm: buffers on the meta device too
+    cpu_start = InitialWeights()
+    _, reference = fit(model_options=options, callbacks=[cpu_start])
+    meta_start = InitialWeights()
+    strategy = offload()
+    if how == "init_module":  # Trainer.init_module(empty_init=True): the strategy builds on meta
+        trainer, model = fit(strategy, model_options=options, empty_init=True, callbacks=[meta_start])
+    else:  # configure_model under `torch.device("meta")`
+        trainer, model = fit(strategy, model_options=dict(options, build_on="meta"), callbacks=[meta_start])
+    # Each module's reset_parameters() in registration order draws what the CPU construction drew;
+    # the tied head's draws are made and dropped, as on the CPU.
+    assert meta_start.weights.keys() == cpu_start.weights.keys()
+    assert all(torch.equal(meta_start.weights[k], cpu_start.weights[k]) for k in cpu_start.weights)
+    assert all(torch.equal(meta_start.buffers[k], cpu_start.buffers[k]) for k in cpu_start.buffers)
+    assert model.head.weight is model.embed.weight  # still tied
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), reference.buffers()))
+    assert strategy.memory_stats()["streamed_chunks"] > 0
+
+
+def test_a_model_built_on_meta_resumes_from_a_checkpoint(tmp_path):
+    _, reference = fit(max_steps=2 * EPOCH)
+    folder = tmp_path / "ckpts"
+    fit(offload(), max_steps=EPOCH, dirpath=folder, plugins=[lc.ShardedCheckpointIO()])
+    name = f"epoch=0-step={EPOCH}.ckpt"
+    # The checkpoint is restored after setup, into the host chunks of the materialized model.
+    _, resumed = fit(offload(), max_steps=2 * EPOCH, empty_init=True, ckpt_path=str(folder / name), plugins=[lc.ShardedCheckpointIO()])
+    assert resumed.losses == reference.losses[EPOCH:]
+    assert_same(resumed, reference)
+
+
+def test_a_meta_parameter_nothing_initializes_fails_naming_it_unless_a_checkpoint_fills_it(tmp_path):
+    with pytest.raises(ValueError, match=r"built on the meta device and nothing initialized 'gain\.scale' \(a Gain, which has no `reset_parameters\(\)`\)"):
+        fit(offload(), model_options=dict(gain=True), empty_init=True)
+    # The same model built on the CPU writes a checkpoint; the meta-built one resumes from it.
+    _, reference = fit(model_options=dict(gain=True), max_steps=2 * EPOCH)
+    folder = tmp_path / "ckpts"
+    fit(offload(), model_options=dict(gain=True), max_steps=EPOCH, dirpath=folder)
+    _, resumed = fit(offload(), model_options=dict(gain=True), max_steps=2 * EPOCH, empty_init=True, ckpt_path=str(folder / f"epoch=0-step={EPOCH}.ckpt"))
+    assert resumed.losses == reference.losses[EPOCH:]
+    assert_same(resumed, reference)
+
+
+def in_host_chunks(strategy: lc.ChunkedOffloadStrategy, t: torch.Tensor) -> bool:
+    return any(h.data_ptr() <= t.data_ptr() < h.data_ptr() + h.numel() for h in strategy._streamer.host)
+
+
+class HostCheckingIO(TorchCheckpointIO):
+    """Records, for each save, whether every parameter in the checkpoint views a host chunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.strategy: lc.ChunkedOffloadStrategy | None = None
+        self.saves: list[bool] = []
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        names = {name for name, _ in self.strategy.lightning_module.named_parameters()}
+        self.saves.append(all(in_host_chunks(self.strategy, t) for k, t in checkpoint["state_dict"].items() if k in names))
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class SaveAtValidationEnd(Callback):
+    """Saves where ``ModelCheckpoint(monitor=...)`` does (before the strategy's own end of
+    validation); then, at the next training batch, checks where the parameters point."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+        self.after_validation: list[bool] = []
+        self._validated = False
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            trainer.save_checkpoint(self.path / f"val-{trainer.global_step}.ckpt")
+            self._validated = True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._validated:
+            self.after_validation.append(all(in_host_chunks(trainer.strategy, p) for p in pl_module.parameters()))
+            self._validated = False
+
+
+def test_saves_during_and_after_validation_read_the_host_chunks(tmp_path):
+    io = HostCheckingIO()
+    # Everything resident: after validation every parameter points at its device copy.
+    strategy = lc.ChunkedOffloadStrategy(device_memory_budget="10MB", chunk_size="66KiB", checkpoint_io=io)
+    io.strategy = strategy
+    saver = SaveAtValidationEnd(tmp_path)
+    options = dict(limit_val_batches=2, val_check_interval=3, max_steps=7)
+    _, reference = fit(**options)
+    _, model = fit(strategy, callbacks=[saver], **options)
+    assert io.saves == [True, True]  # after steps 3 and 6
+    assert saver.after_validation == [True, True]
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    assert strategy.memory_stats()["resident_chunks"] > 0
+
+
+def test_fp16_autocast_with_a_grad_scaler_over_host_gradients_equals_the_default_strategy():
+    # Trainer(precision="16-mixed", accelerator="cpu") becomes bf16-mixed in Lightning; the plugin
+    # itself runs fp16 autocast and torch's GradScaler on the CPU.
+    _, reference = fit(plugins=[MixedPrecision("16-mixed", "cpu")], max_steps=8)
+    # Autocast's fp16 weight copies count as activations (as in the bf16 test).
+    strategy = lc.ChunkedOffloadStrategy(device_memory_budget=420_000, chunk_size="66KiB")
+    trainer, model = fit(strategy, plugins=[MixedPrecision("16-mixed", "cpu")], max_steps=8)
+    scaler = trainer.precision_plugin.scaler
+    assert scaler is not None and scaler.get_scale() < 2.0**16  # steps with inf gradients were skipped
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    stats = strategy.memory_stats()
+    assert stats["peak_device_bytes"] <= stats["device_memory_budget"] and stats["streamed_chunks"] > 0
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_chunkedadamw_reads_the_host_gradients_in_place(precision):
+    # No copy of the gradients into ChunkedAdamW's own buffers: it never allocates them.
+    reference_trainer, reference = fit(precision=precision)
+    assert all(c.grad_buffer is not None for c in reference_trainer.optimizers[0]._chunks)
+    trainer, model = fit(offload(), precision=precision)
+    assert all(c.grad_buffer is None for c in trainer.optimizers[0]._chunks)
+    assert model.losses == reference.losses
+    assert_same(model, reference)
+    assert trainer.strategy.memory_stats()["streamed_chunks"] > 0
