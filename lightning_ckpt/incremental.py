@@ -377,10 +377,13 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
     (one with a gradient) and of each tensor of its state. Fused kernels (``fused=True`` in
     torch's optimizers, ``ChunkedAdamW``'s, other libraries' raw-pointer kernels) change them in
     place without bumping it, and the change rule reads nothing else. A bump the step made itself
-    already changes nothing: the rule only asks whether the counter moved."""
+    already changes nothing: the rule only asks whether the counter moved. An optimizer whose
+    ``bumps_parameter_versions`` is true (``ChunkedAdamW``: it compares the counters to tell
+    outside writes) bumps its parameters' itself; only its state is bumped here."""
     stepped = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     state = [v for p in stepped for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-    tensors = [t for t in stepped + state if not t.is_inference()]
+    own = getattr(optimizer, "bumps_parameter_versions", False)
+    tensors = [t for t in ([] if own else stepped) + state if not t.is_inference()]
     if tensors:
         increment_version(tensors)
 
