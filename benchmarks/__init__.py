@@ -27,6 +27,7 @@ MODES: dict[str, tuple[str, str]] = {
     "remote": ("remote", "s3:// saves and loads against a local moto S3 server: stall, durable time, upload GB/s, memory"),
     "offload": ("offload", "ChunkedAdamW's optimizer step against torch.optim.AdamW foreach / fused and the memory-bandwidth floor"),
     "compression": ("compression", "zstd on trained weights and AdamW state: ratio and MB/s per component, s3:// saves with and without"),
+    "incremental": ("incremental", "LoRA-style and full fine-tunes: bytes written, durable time and async stall per save, incremental saves on and off"),
 }
 _KEEPS_MODE = ("distributed",)  # its parser takes --mode itself; it gets argv unchanged
 

@@ -35,8 +35,16 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_ckpt.bench.files import DEFAULT_DIR, remove_path, run_directory
-from lightning_ckpt.bench.measure import GB, MB, Metrics, Task, m, ratio, run_in_fresh_process, summarize
-from lightning_ckpt.bench.report import add_json_argument, emit_report, fmt, machine_info, report_header, stderr_logger
+from lightning_ckpt.bench.measure import GB, MB, Metrics, Task, m, ratio, run_grid
+from lightning_ckpt.bench.report import (
+    add_json_argument,
+    emit_report,
+    fmt,
+    machine_info,
+    report_header,
+    size_argument,
+    stderr_logger,
+)
 
 SCENARIOS = ("sync_big_dict", "async")
 POLICIES = ("never", "always", "auto")  # release off, the old default, the new default
@@ -178,20 +186,11 @@ def render_table(report: dict[str, Any]) -> Any:
     return table
 
 
-def _size(text: str) -> int:
-    """``--size``: a byte count, or a parser error naming the option."""
-    from lightning_ckpt.plan import parse_size
-
-    try:
-        return parse_size(text, "--size")
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks --mode release", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--size", type=_size, default=DEFAULT_SIZE, help=f"state saved per save, both scenarios (default {DEFAULT_SIZE})"
+        "--size", type=size_argument("--size"), default=DEFAULT_SIZE, help=f"state saved per save, both scenarios (default {DEFAULT_SIZE})"
     )
     parser.add_argument(
         "--tensor-kb", type=int, default=DEFAULT_TENSOR_KB,
@@ -216,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    size_bytes = args.size  # bytes (``_size``)
+    size_bytes = args.size  # bytes (``size_argument``)
     for option in ("saves", "repeats", "tensor_kb"):
         if getattr(args, option) < 1:
             parser.error(f"--{option.replace('_', '-')} must be at least 1")
@@ -229,36 +228,23 @@ def main(argv: list[str] | None = None) -> int:
     log = stderr_logger()
     directory = os.path.abspath(args.dir)
     started = time.time()
-    runs: dict[str, dict[str, list[Metrics]]] = {s: {p: [] for p in POLICIES} for s in args.scenarios}
-    errors: list[str] = []
     with run_directory(directory) as run_dir:
-        for r in range(args.repeats):
-            for scenario in args.scenarios:
-                for policy in POLICIES:
-                    tag = f"r{r}-{scenario}-{policy}"
-                    task: Task = {
-                        "kind": "release", "scenario": scenario, "policy": policy, "size_bytes": size_bytes,
-                        "tensor_kb": args.tensor_kb, "saves": args.saves, "steps": args.steps,
-                        "threshold_mb": threshold_mb, "run_dir": run_dir, "tag": tag,
-                    }  # fmt: skip
-                    log(f"[{r + 1}/{args.repeats}] {scenario} / release {policy}")
-                    try:
-                        runs[scenario][policy].append(run_in_fresh_process(task, _run_task))
-                    except RuntimeError as err:
-                        errors.append(f"{tag}: {err}")
-                        log(f"{tag} FAILED: {str(err).splitlines()[0]}")
-                    finally:
-                        for leftover in os.listdir(run_dir):
-                            if leftover.startswith(f"{tag}-"):
-                                remove_path(os.path.join(run_dir, leftover))
 
-    scenarios = {
-        scenario: {
-            policy: {"summary": summarize([run["metrics"] for run in policy_runs]), "runs": policy_runs}
-            for policy, policy_runs in by_policy.items()
-        }
-        for scenario, by_policy in runs.items()
-    }
+        def task_of(scenario: str, policy: str, tag: str) -> Task:
+            return {
+                "kind": "release", "scenario": scenario, "policy": policy, "size_bytes": size_bytes,
+                "tensor_kb": args.tensor_kb, "saves": args.saves, "steps": args.steps,
+                "threshold_mb": threshold_mb, "run_dir": run_dir, "tag": tag,
+            }  # fmt: skip
+
+        def remove_leftovers(tag: str) -> None:
+            for leftover in os.listdir(run_dir):
+                if leftover.startswith(f"{tag}-"):
+                    remove_path(os.path.join(run_dir, leftover))
+
+        scenarios, errors = run_grid(
+            args.repeats, list(args.scenarios), list(POLICIES), task_of, _run_task, log, remove_leftovers
+        )
 
     def stall(scenario: str, policy: str) -> float | None:
         return m(scenarios[scenario][policy]["summary"], "stall_s")

@@ -206,6 +206,9 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         io = sharded_io(trainer.strategy)
         if io is not None:
             io.use_part_token(token)
+        plugin = features(trainer.strategy.checkpoint_io)
+        if plugin is not None:  # frozen weights in shards of their own, for incremental saves
+            plugin.track_frozen(pl_module)
         # Before the strategy restores (Trainer._run: callbacks' setup, then strategy.setup, then the
         # restore): a stock ModelParallelStrategy / FSDPStrategy resumes from our checkpoints.
         enable_sharded_resume(trainer.strategy)

@@ -22,7 +22,7 @@ import json
 import os
 import warnings
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ from lightning_ckpt import reader
 from lightning_ckpt.plan import (
     Found,
     Plan,
+    Stable,
     dtype_from_name,
     dtype_name,
     encode_checkpoint,
@@ -109,8 +110,11 @@ class PartPlan:
     layout: str  # ``layout_digest(tensors)``: rank 0 refuses parts whose layout differs from its own
 
 
-def plan_part(checkpoint: dict[Any, Any], rank: int, world_size: int, max_shard_size: int) -> PartPlan:
-    """This rank's share of a multi-rank save of ``checkpoint`` (see the module docstring)."""
+def plan_part(
+    checkpoint: dict[Any, Any], rank: int, world_size: int, max_shard_size: int, stable: Stable | None = None
+) -> PartPlan:
+    """This rank's share of a multi-rank save of ``checkpoint`` (see the module docstring);
+    ``stable``: see ``plan.plan_tensors``."""
     tree, found = encode_checkpoint(checkpoint, _stored)
     flat = {str(i): t for i, (t, _, _) in enumerate(found)}
     planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -122,6 +126,7 @@ def plan_part(checkpoint: dict[Any, Any], rank: int, world_size: int, max_shard_
     # for a replicated scalar such as an optimizer's step.
     owned: dict[bool, Found] = {False: [], True: []}
     pieces: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    whole_of: dict[bool, list[torch.Tensor]] = {False: [], True: []}  # the tensor each owned piece is cut from
     for item in local.items:  # in state-dict order: the same order on every rank
         index = int(item.index.fqn)
         value, component, path = found[index]
@@ -141,9 +146,12 @@ def plan_part(checkpoint: dict[Any, Any], rank: int, world_size: int, max_shard_
         name = tensor_name(component, path) + ("" if whole else "@" + ",".join(map(str, offsets)))
         shared = len(holders) > 1
         owned[shared].append((planner.resolve_data(item), component, (path[0], name)))
+        whole_of[shared].append(value)
         pieces[shared].append({"id": index, "component": component, "offsets": offsets, "shape": list(chunk.sizes)})
     plans = [
-        plan_tensors(owned[shared], max_shard_size, file_tag=f"rank{rank:05d}" + ("-shared" if shared else ""))
+        plan_tensors(
+            owned[shared], max_shard_size, file_tag=f"rank{rank:05d}" + ("-shared" if shared else ""), stable=stable
+        )
         for shared in (False, True)
     ]
     plan = Plan(
@@ -152,6 +160,17 @@ def plan_part(checkpoint: dict[Any, Any], rank: int, world_size: int, max_shard_
         shards=plans[0].shards + plans[1].shards,
         components=tuple(dict.fromkeys(plans[0].components + plans[1].components)),
     )
+    # Pieces of DTensors and ShardedTensors: incremental saves follow the whole tensor's version.
+    whole_of_blob = {
+        (spec.component, spec.blob): value
+        for spec, value in zip(plan.tensors, whole_of[False] + whole_of[True])
+        if not is_stored_tensor(value)
+    }
+    if whole_of_blob:
+        plan = replace(plan, shards=tuple(
+            replace(s, blobs=tuple(replace(b, piece_of=whole_of_blob.get((b.component, b.name))) for b in s.blobs))
+            for s in plan.shards
+        ))
     written = pieces[False] + pieces[True]
     for piece, spec in zip(written, plan.tensors):
         piece["blob"] = spec.blob

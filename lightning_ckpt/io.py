@@ -14,11 +14,13 @@ import secrets
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, Literal, Optional, Protocol, runtime_checkable
 
 import fsspec
+import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
@@ -40,7 +42,9 @@ from lightning_ckpt.functional import (  # re-exported: ``lightning_ckpt.io.X`` 
     save_checkpoint,
     verify_checkpoint,
 )
-from lightning_ckpt.plan import parse_size
+from lightning_ckpt.compile import normalize_key
+from lightning_ckpt.incremental import Tracker, frozen_keys, stable_predicate, track_optimizer_steps
+from lightning_ckpt.plan import Stable, parse_size
 from lightning_ckpt.saver import AsyncSaver, Outcomes, SyncSaver
 from lightning_ckpt.savejob import Prepared
 from lightning_ckpt.shards import ShardWriter
@@ -84,6 +88,8 @@ class CheckpointIOFeatures(Protocol):
     def wait(self) -> None: ...
 
     def fall_back_on_damage(self, path: Any, fallbacks: list[str]) -> None: ...
+
+    def track_frozen(self, module: torch.nn.Module) -> None: ...
 
 
 class ShardedCheckpointIO(CheckpointIO):
@@ -148,6 +154,16 @@ class ShardedCheckpointIO(CheckpointIO):
             checkpoints and the local tier stay plain safetensors. Needs ``zstandard``
             (``pip install 'lightning-ckpt[zstd]'``). ``None`` (default): stored as they are.
         compression_level: the zstd level (1 fastest ... 19; 3 is zstd's default).
+        incremental: a save reuses the shard files of the previous checkpoint this plugin
+            committed into the same folder whose tensors provably did not change since (same
+            storage, offset, shape, stride, dtype and version counter; see
+            ``lightning_ckpt.incremental``): hard-linked (or copied) into the new checkpoint, not
+            staged, written or uploaded again. Every checkpoint stays complete on its own.
+            Frozen weights are kept in shards of their own (``model-stable-*``) when the plugin
+            knows them (``track_frozen``; ``ShardedModelCheckpoint`` tells it). On by default;
+            pass ``False`` if your code changes saved tensors in place behind PyTorch's back
+            (through ``.data``, ``.numpy()``, DLPack or a ``torch.distributed`` collective such as
+            ``dist.broadcast(t)``), which no version counter sees.
 
     Call order and ranks: Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0
     only, ``load_checkpoint`` and ``teardown`` on every rank; none of them runs a collective.
@@ -174,6 +190,7 @@ class ShardedCheckpointIO(CheckpointIO):
         upload_concurrency: int = remote.DEFAULT_CONCURRENCY,
         compression: Optional[str | dict[str, str]] = None,
         compression_level: int = 3,
+        incremental: bool = True,
     ) -> None:
         super().__init__()
         if isinstance(local_keep, bool) or not isinstance(local_keep, int) or local_keep < 1:
@@ -211,6 +228,7 @@ class ShardedCheckpointIO(CheckpointIO):
             ("when_busy", when_busy, ("wait", "skip")),
             ("on_error", on_error, ("raise", "warn")),
             ("overlap_copies", overlap_copies, (True, False)),
+            ("incremental", incremental, (True, False)),
         ):
             if value not in allowed:
                 raise ValueError(f"`{name}={value!r}` must be one of {allowed}.")
@@ -219,6 +237,8 @@ class ShardedCheckpointIO(CheckpointIO):
         self.when_busy = when_busy
         self.on_error = on_error
         self.overlap_copies = overlap_copies
+        self.incremental = incremental
+        self._frozen_source: Optional[Callable[[], Optional[frozenset[str]]]] = None  # see ``track_frozen``
         pool_cap = None if staging_pool_size is None else parse_size(staging_pool_size, "staging_pool_size")
         rate = None if max_write_rate is None else parse_size(max_write_rate, "max_write_rate")
         self._config = {"pool_cap": pool_cap, "chunk_bytes": parse_size(buffer_size, "buffer_size"), "direct_io": direct_io, "max_write_rate": rate}
@@ -242,7 +262,11 @@ class ShardedCheckpointIO(CheckpointIO):
         config = self._config
         self._outcomes = Outcomes(self.on_error)
         self._writer = ShardWriter(config["chunk_bytes"], config["direct_io"])
-        self._sync = SyncSaver(self._writer, self.remote, self._outcomes)
+        # One tracker per plugin and process: a new one (a new run, a resumed one) reuses nothing.
+        self._tracker = Tracker() if self.incremental else None
+        if self.incremental:
+            track_optimizer_steps()
+        self._sync = SyncSaver(self._writer, self.remote, self._outcomes, self._tracker)
         worker_config = {
             "chunk_bytes": self._writer.chunk_bytes,
             "direct_io": config["direct_io"],
@@ -250,7 +274,14 @@ class ShardedCheckpointIO(CheckpointIO):
             "remote": self.remote,
         }
         self._async = AsyncSaver(
-            self.remote, config["pool_cap"], worker_config, self.when_busy, self._lock, self._outcomes, self.async_save
+            self.remote,
+            config["pool_cap"],
+            worker_config,
+            self.when_busy,
+            self._lock,
+            self._outcomes,
+            self.async_save,
+            self._tracker,
         )
 
     @property
@@ -296,7 +327,27 @@ class ShardedCheckpointIO(CheckpointIO):
                 " writer process is another, so the checkpoint would never reach this one. Use a synchronous"
                 " ShardedCheckpointIO, or a filesystem both processes reach."
             )
-        self._save(path, lambda: savejob.prepare(checkpoint, self.max_shard_size))
+        self._save(path, lambda: savejob.prepare(checkpoint, self.max_shard_size, self._stable()))
+
+    def track_frozen(self, module: torch.nn.Module) -> None:
+        """Keep the frozen weights of ``module`` (an ``nn.Module`` whose ``state_dict`` is the
+        checkpoint's ``state_dict``, or Fabric's ``model``) in shards of their own, read at every
+        save, so incremental saves reuse those files whole. A layout hint only: whether a file is
+        reused is decided from the tensors themselves. ``ShardedModelCheckpoint`` calls it at
+        setup; the module is held by a weak reference."""
+        reference = weakref.ref(module)
+
+        def keys() -> Optional[frozenset[str]]:
+            alive = reference()
+            return None if alive is None else frozen_keys(alive, normalize_key)
+
+        self._frozen_source = keys
+
+    def _stable(self) -> Optional[Stable]:
+        if not self.incremental or self._frozen_source is None:
+            return None
+        keys = self._frozen_source()
+        return stable_predicate(keys, normalize_key) if keys else None
 
     def save_sharded(
         self, checkpoint: dict[str, Any], path: Any, rank: int, world_size: int, broadcast: Callable[[str], str]
@@ -326,7 +377,7 @@ class ShardedCheckpointIO(CheckpointIO):
         folder = parts.part_folder(savejob.commit_dir_of(path, self.remote), self._part_token, self._part_number)
 
         def prepare() -> Prepared:
-            planned = plan_part(checkpoint, rank, world_size, self.max_shard_size)
+            planned = plan_part(checkpoint, rank, world_size, self.max_shard_size, self._stable())
             part = parts.Part(
                 rank, world_size, folder, planned.pieces, planned.tensors, planned.layout, self.part_timeout
             )
@@ -448,6 +499,9 @@ class ShardedCheckpointIO(CheckpointIO):
             )
             return
         with self._lock:
+            if self._tracker is not None:  # as ``saver.begin_incremental`` names the checkpoint
+                spooled = remote.is_remote(path) and self.remote.local_dir is None
+                self._tracker.forget(path if spooled else os.path.abspath(savejob.commit_dir_of(path, self.remote)))
             self._async.then(lambda: self._remove(path))  # after the save replacing it is handed off
 
     def _remove(self, path: str) -> None:
@@ -486,7 +540,7 @@ class ShardedCheckpointIO(CheckpointIO):
         # Spawn-based strategies pickle the plugin: ship the configuration, not locks, buffers,
         # threads or processes (new savers in ``__setstate__``).
         state = self.__dict__.copy()
-        for name in ("_lock", "_outcomes", "_writer", "_sync", "_async"):
+        for name in ("_lock", "_outcomes", "_writer", "_sync", "_async", "_tracker", "_frozen_source"):
             state[name] = None
         return state
 

@@ -63,6 +63,12 @@ class SaveRecord:
     worst_slowdown: float | None = None  # slowest post-save step / pre median
     lost_s: float | None = None  # save step + window beyond the pre median, summed
     recovery_steps: int | None = None
+    reused_bytes: int | None = None  # of ``nbytes``: files reused from an earlier checkpoint (incremental)
+
+    @property
+    def written_bytes(self) -> int | None:
+        """Bytes the save wrote (``nbytes`` less what it reused)."""
+        return None if self.nbytes is None else self.nbytes - (self.reused_bytes or 0)
 
     @property
     def stall_s(self) -> float:
@@ -93,6 +99,8 @@ class SaveRecord:
             values["ckpt/cuda_alloc_retries"] = float(self.cuda_alloc_retries)
         optional = {
             "ckpt/bytes_gb": None if self.nbytes is None else self.nbytes / 1e9,
+            "ckpt/written_gb": None if self.written_bytes is None else self.written_bytes / 1e9,
+            "ckpt/reused_gb": None if self.reused_bytes is None else self.reused_bytes / 1e9,
             "ckpt/durable_s": self.durable_s,
             "ckpt/write_gbps": self.throughput_gbps,
             "ckpt/copy_wait_s": self.copy_wait_s,
@@ -107,7 +115,12 @@ class SaveRecord:
         return values
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "stall_s": self.stall_s, "throughput_gbps": self.throughput_gbps}
+        return {
+            **asdict(self),
+            "written_bytes": self.written_bytes,
+            "stall_s": self.stall_s,
+            "throughput_gbps": self.throughput_gbps,
+        }
 
 
 @dataclass

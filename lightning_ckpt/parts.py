@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from lightning_ckpt import manifest as fmt
+from lightning_ckpt.incremental import Reused, stored_files
 from lightning_ckpt.plan import Blob, Plan
 from lightning_ckpt.shards import ShardWriter, fsync_dir, write_small
 from lightning_ckpt.writer import (
@@ -88,8 +89,10 @@ def write_part(
     global_step: int | None = None,
     epoch: int | None = None,
     images: ImageSource | None = None,
+    reuse: dict[str, Reused] | None = None,
 ) -> WriteResult:
     """Write this rank's shards of a multi-rank save; on rank 0, then commit the whole checkpoint.
+    ``reuse``: this rank's shard files taken from an earlier checkpoint (see ``write_shards``).
 
     Every rank publishes ``rank-NNNNN.json`` (its files and pieces) once its shards are durable,
     or ``rank-NNNNN.failed`` with its error. Rank 0 waits for every rank's file (at most
@@ -104,7 +107,8 @@ def write_part(
     try:
         os.makedirs(part.folder, exist_ok=True)  # any rank may get here first
         direct = shard_writer.use_direct(parent)
-        files = write_shards(plan, part.folder, shard_writer, direct, images)
+        files, reused = write_shards(plan, part.folder, shard_writer, direct, images, reuse)
+        stored = stored_files(part.folder, files, plan)
         file_of_blob = plan.file_of_blob()
         pieces = [{**p, "file": file_of_blob[(p["component"], p["blob"])]} for p in part.pieces]
         model_blobs = [[b.name, s.filename, b.nbytes] for s in plan.shards if s.component == "model" for b in s.blobs]
@@ -117,6 +121,7 @@ def write_part(
                 "files": {name: [r.size, r.digest] for name, r in files.items()},
                 "pieces": pieces,
                 "model_blobs": model_blobs,
+                "reused_bytes": sum(files[name].size for name in reused),
             },
         )
     except BaseException as err:
@@ -130,10 +135,11 @@ def write_part(
             raise
         raise error from err
     nbytes = sum(r.size for r in files.values())
+    reused_bytes = sum(files[name].size for name in reused)
     if part.rank != 0:
-        return WriteResult(target, nbytes, time.perf_counter() - start, len(files), direct)
+        return WriteResult(target, nbytes, time.perf_counter() - start, len(files), direct, reused_bytes, stored)
     try:
-        manifest = _merge_parts(part, target, metadata, created_by, global_step, epoch)
+        manifest, reused_bytes = _merge_parts(part, target, metadata, created_by, global_step, epoch)
         data = manifest.to_bytes()
         write_small(os.path.join(part.folder, fmt.MANIFEST_FILE), data)
         fsync_dir(part.folder)
@@ -145,7 +151,9 @@ def write_part(
             raise
         raise error from err
     total = manifest.total_bytes + len(data)
-    return WriteResult(target, total, time.perf_counter() - start, len(manifest.files) + 1, direct)
+    return WriteResult(
+        target, total, time.perf_counter() - start, len(manifest.files) + 1, direct, reused_bytes, stored
+    )
 
 
 def _wait_for_parts(part: Part, target: str) -> list[dict[str, Any]]:
@@ -182,8 +190,9 @@ def _merge_parts(
     created_by: dict[str, str],
     global_step: int | None,
     epoch: int | None,
-) -> fmt.Manifest:
-    """Rank 0: the manifest of the whole checkpoint, from every rank's published part."""
+) -> tuple[fmt.Manifest, int]:
+    """Rank 0: the manifest of the whole checkpoint, from every rank's published part, and the
+    bytes the ranks reused from earlier checkpoints."""
     bodies = _wait_for_parts(part, target)
     files: dict[str, fmt.FileRecord] = {}
     pieces: dict[int, list[dict[str, Any]]] = {}
@@ -227,7 +236,7 @@ def _merge_parts(
         for name in [record.file] + [c["file"] for c in record.chunks or ()]:
             if name != fmt.METADATA_FILE and name not in components.setdefault(record.component, []):
                 components[record.component].append(name)
-    return fmt.Manifest(
+    manifest = fmt.Manifest(
         files=files,
         components={c: sorted(names) for c, names in components.items()},
         tensors=records,
@@ -238,6 +247,7 @@ def _merge_parts(
         model_index_file=fmt.MODEL_INDEX_FILE if model_blobs else None,
         extra={"world_size": part.world_size},
     )
+    return manifest, sum(body.get("reused_bytes", 0) for body in bodies)
 
 
 def clean_stale_parts(folder: str, keep: str) -> list[str]:

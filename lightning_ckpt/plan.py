@@ -86,6 +86,9 @@ class Blob:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
+    # ``source`` is a piece of this tensor (a DTensor's or ShardedTensor's local shard), whose own
+    # version counter is what in-place changes bump (see ``incremental.tensor_state``).
+    piece_of: torch.Tensor | None = None
 
     __reduce__ = _reduce_by_fields
 
@@ -403,19 +406,43 @@ def encode_checkpoint(
     return encoded_tree, found
 
 
-def make_plan(checkpoint: dict[Any, Any], max_shard_size: int) -> Plan:
-    """Split ``checkpoint`` into a tree, tensor specs, blobs and shards (no bytes are copied)."""
+# Which tensors rarely change (``(component, key path) -> bool``): they get shards of their own.
+Stable = Callable[[str, tuple[Any, ...]], bool]
+STABLE_TAG = "stable"  # in the file names of those shards: ``model-stable-00001-of-00002.safetensors``
+
+
+def make_plan(checkpoint: dict[Any, Any], max_shard_size: int, stable: Stable | None = None) -> Plan:
+    """Split ``checkpoint`` into a tree, tensor specs, blobs and shards (no bytes are copied).
+    ``stable``: see ``plan_tensors``."""
     tree, found = encode_checkpoint(checkpoint)
-    return replace(plan_tensors(found, max_shard_size), tree=tree)
+    return replace(plan_tensors(found, max_shard_size, stable=stable), tree=tree)
 
 
-def plan_tensors(found: Found, max_shard_size: int, file_tag: str = "") -> Plan:
+def plan_tensors(found: Found, max_shard_size: int, file_tag: str = "", stable: Stable | None = None) -> Plan:
     """Blobs and shards for ``found`` (a plan without a tree). ``file_tag`` goes into every shard
-    file name (``model-<tag>-00001-of-00002.safetensors``)."""
+    file name (``model-<tag>-00001-of-00002.safetensors``).
+
+    Blobs whose first tensor ``stable`` holds for (frozen weights: see ``incremental``) are packed
+    into shards of their own, tagged ``stable``, after the component's other shards, so an
+    incremental save can reuse those files whole while the rest changes. Without any such blob
+    the layout is exactly the one without ``stable``.
+    """
     specs, blobs = _dedupe(found)
     used = list(dict.fromkeys(spec.component for spec in specs))
+    steady: set[tuple[str, str]] = set()
+    if stable is not None:
+        first_path: dict[tuple[str, str], tuple[Any, ...]] = {}
+        for spec in specs:
+            first_path.setdefault((spec.component, spec.blob), spec.path)
+        steady = {key for key, path in first_path.items() if stable(key[0], path)}
+    stable_tag = f"{file_tag}-{STABLE_TAG}" if file_tag else STABLE_TAG
     shards = tuple(
-        s for c in used for s in _pack(c, [b for b in blobs if b.component == c], max_shard_size, file_tag)
+        s
+        for c in used
+        for group, tag in ((False, file_tag), (True, stable_tag))
+        for s in _pack(
+            c, [b for b in blobs if b.component == c and ((c, b.name) in steady) == group], max_shard_size, tag
+        )
     )
     return Plan(tree=None, tensors=tuple(specs), shards=shards, components=tuple(used))
 
@@ -511,6 +538,8 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _pack(component: str, blobs: list[Blob], max_shard_size: int, file_tag: str = "") -> list[Shard]:
     """Greedy, order-preserving packing; a blob larger than the cap gets a shard of its own."""
+    if not blobs:
+        return []
     groups: list[list[Blob]] = []
     size = 0
     for blob in blobs:

@@ -52,7 +52,7 @@ class SaveRecorder:
         counters at the previous save."""
         after = release.after
         io = trainer.strategy.checkpoint_io
-        nbytes, durable = _written(io, filepath, stall)
+        nbytes, durable, reused = _written(io, filepath, stall)
         waits_copies = saves_async(io)
         record = SaveRecord(
             index=len(self.monitor.records),
@@ -62,6 +62,7 @@ class SaveRecorder:
             call_s=stall,
             release_s=release.seconds,
             nbytes=nbytes,
+            reused_bytes=reused,  # of ``nbytes``, reused from an earlier checkpoint (incremental saves)
             durable_s=durable,
             host_rss_before=before.host_rss,
             host_rss_after=after.host_rss,
@@ -134,7 +135,7 @@ class SaveRecorder:
             match = next((i for i, (p, _) in enumerate(self._awaiting_durable) if p == path), None)
             if match is not None:
                 _, record = self._awaiting_durable.pop(match)
-                record.nbytes, record.durable_s = result.nbytes, result.seconds
+                record.nbytes, record.durable_s, record.reused_bytes = result.nbytes, result.seconds, result.reused_bytes
                 done.append(record)
         return done
 
@@ -169,17 +170,18 @@ def _log(trainer: pl.Trainer, record: SaveRecord) -> None:
         logger.log_metrics(metrics, step=trainer.global_step)
 
 
-def _written(io: Any, filepath: str, stall: float) -> tuple[int | None, float | None]:
-    """(bytes, seconds until durable) of a save that just returned, where the IO can tell."""
+def _written(io: Any, filepath: str, stall: float) -> tuple[int | None, float | None, int | None]:
+    """(bytes, seconds until durable, of those bytes reused) of a save that just returned, where
+    the IO can tell."""
     if saves_async(io):
-        return None, None  # known once the writer process reports it (see ``poll``)
+        return None, None, None  # known once the writer process reports it (see ``poll``)
     found = features(io)
     last = None if found is None else found.last_save
     if last is not None and os.path.abspath(last.path) == os.path.abspath(filepath):
-        return last.nbytes, last.seconds  # ShardedCheckpointIO, synchronous
+        return last.nbytes, last.seconds, last.reused_bytes  # ShardedCheckpointIO, synchronous
     if os.path.isfile(filepath):  # Lightning's TorchCheckpointIO: written when save returned
-        return os.path.getsize(filepath), stall
-    return None, None
+        return os.path.getsize(filepath), stall, 0
+    return None, None, None
 
 
 def _run_dir(trainer: pl.Trainer) -> str | None:

@@ -30,7 +30,9 @@ from typing import Any
 import torch
 
 from lightning_ckpt import parts, remote, writer
-from lightning_ckpt.plan import Plan, make_plan
+from lightning_ckpt.incremental import Reused
+from lightning_ckpt.plan import Plan, Stable, make_plan
+from lightning_ckpt.server_copy import ServerCopies
 from lightning_ckpt.shards import ShardWriter
 from lightning_ckpt.writer import ImageSource, WriteResult, write_checkpoint
 
@@ -67,11 +69,13 @@ class Destination:
         """A remote save committed in the local tier (kept there after it is published)."""
         return self.options is not None and self.spool is None
 
-    def publish(self) -> remote.Published:
+    def publish(self, reuse: dict[str, Reused] | None = None) -> remote.Published:
         """Upload the committed ``commit_dir`` to ``path``; the spool is removed, a local-tier copy
-        marked published and its folder pruned (see ``remote.tier.publish_committed``)."""
+        marked published and its folder pruned (see ``remote.tier.publish_committed``). Files in
+        ``reuse`` are copied on the server from the earlier checkpoints (``server_copy``)."""
         assert self.options is not None, "only a remote destination is published"
-        return remote.publish_committed(self.commit_dir, self.path, self.options, self.spool)
+        copies = ServerCopies.of(reuse, self.options)
+        return remote.publish_committed(self.commit_dir, self.path, self.options, self.spool, copies)
 
 
 def commit_dir_of(path: str, options: remote.RemoteOptions) -> str:
@@ -126,15 +130,19 @@ class Prepared:
     epoch: int | None
     part: parts.Part | None = None
 
-    def job(self, destination: Destination, with_data: bool = True) -> SaveJob:
+    def job(self, destination: Destination, with_data: bool = True, reuse: dict[str, Reused] | None = None) -> SaveJob:
         """This save to ``destination``; ``with_data=False`` drops the tensors (for the writer
-        process, which reads staged images instead)."""
+        process, which reads staged images instead); ``reuse``: shard files taken from earlier
+        checkpoints (see ``incremental``)."""
         plan = self.plan if with_data else self.plan.without_data()
-        return SaveJob(plan, self.metadata, self.global_step, self.epoch, destination, self.part, created_by())
+        return SaveJob(
+            plan, self.metadata, self.global_step, self.epoch, destination, self.part, created_by(), reuse or None
+        )
 
 
-def prepare(checkpoint: dict[str, Any], max_shard_size: int) -> Prepared:
-    plan = make_plan(checkpoint, max_shard_size)
+def prepare(checkpoint: dict[str, Any], max_shard_size: int, stable: Stable | None = None) -> Prepared:
+    """Plan ``checkpoint``; ``stable`` picks the tensors kept in shards of their own (see ``plan``)."""
+    plan = make_plan(checkpoint, max_shard_size, stable)
     return prepared(checkpoint, plan, plan.tree)
 
 
@@ -156,6 +164,7 @@ class SaveJob:
     destination: Destination
     part: parts.Part | None
     created_by: dict[str, str]
+    reuse: dict[str, Reused] | None = None  # shard filename -> the earlier file it is taken from
 
     @property
     def publishes(self) -> bool:
@@ -180,20 +189,23 @@ class SaveJob:
                 result = write_checkpoint(
                     self.plan, destination.commit_dir, shard_writer, metadata=self.metadata,
                     created_by=self.created_by, global_step=self.global_step, epoch=self.epoch, images=images,
+                    reuse=self.reuse,
                 )
             else:  # this rank's part; rank 0 then commits the whole
                 result = parts.write_part(
                     self.plan, destination.commit_dir, shard_writer, self.part, metadata=self.metadata,
                     created_by=self.created_by, global_step=self.global_step, epoch=self.epoch, images=images,
+                    reuse=self.reuse,
                 )
         if not self.publishes:
             return result
         if upload is not None and destination.tiered:
-            upload(destination.publish)
+            upload(functools.partial(destination.publish, self.reuse))
             return dataclasses.replace(result, path=destination.path)
-        published = destination.publish()
-        return WriteResult(
-            destination.path, published.nbytes, result.seconds + published.seconds, result.files, result.direct_io
+        published = destination.publish(self.reuse)
+        return WriteResult(  # reused: not uploaded (copied on the server)
+            destination.path, published.nbytes, result.seconds + published.seconds, result.files, result.direct_io,
+            published.copied_bytes, result.stored,
         )
 
 

@@ -19,6 +19,8 @@ Threads: the caller's (training) thread runs everything but the hand-off thread
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import os
 import threading
 import time
 import warnings
@@ -33,7 +35,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_ckpt import remote, savejob, staging
 from lightning_ckpt.errors import CheckpointWriteError
-from lightning_ckpt.plan import OPTIMIZER_COMPONENT, Blob
+from lightning_ckpt.incremental import Reused, Snapshot, Tracker
+from lightning_ckpt.plan import OPTIMIZER_COMPONENT, Blob, Plan
 from lightning_ckpt.savejob import Destination, Prepared
 from lightning_ckpt.shards import ShardWriter
 from lightning_ckpt.staging import StagingPool
@@ -87,18 +90,40 @@ class SyncSaver:
     """Saves in the caller: returns once committed (a URL: published, or committed in the local
     tier and handed to the upload thread)."""
 
-    def __init__(self, writer: ShardWriter, options: remote.RemoteOptions, outcomes: Outcomes) -> None:
+    def __init__(
+        self, writer: ShardWriter, options: remote.RemoteOptions, outcomes: Outcomes, tracker: Tracker | None = None
+    ) -> None:
         self.writer, self.options, self.outcomes = writer, options, outcomes
+        self.tracker = tracker  # incremental saves (``None``: every save writes every file)
         self.uploader = remote.Uploader()
         outcomes.collectors.append(self.collect)
         _sync_savers.add(self)
 
     def save(self, path: str, prepared: Prepared, start: float) -> WriteResult:
         """Write, commit and publish ``prepared`` at ``path`` (``start``: ``perf_counter`` at the call)."""
-        job = prepared.job(Destination.resolve(path, self.options))
-        result = job.run(self.writer, upload=self.uploader.publish)
+        reuse, ticket = begin_incremental(self.tracker, prepared, path, self.options)
+        destination = Destination.resolve(path, self.options)
+        job = prepared.job(destination, reuse=reuse)
+        try:
+            result = job.run(self.writer, upload=self.uploader.publish)
+        except CheckpointWriteError:
+            if self.tracker is None:
+                raise
+            self.tracker.clear()
+            if not any(r.id is None for r in reuse.values()):
+                raise
+            # A file left on the server could not be copied from the earlier checkpoint (removed
+            # behind this plugin's back): nothing was committed; save it whole, once.
+            job = prepared.job(Destination.resolve(path, self.options))
+            result = job.run(self.writer, upload=self.uploader.publish)
+        except BaseException:
+            if self.tracker is not None:
+                self.tracker.clear()
+            raise
+        if self.tracker is not None and ticket is not None:
+            self.tracker.committed(*ticket[:2], result.stored, *ticket[2:])
         if job.publishes and job.destination.spool is not None:  # durable once published: the whole call
-            result = WriteResult(path, result.nbytes, time.perf_counter() - start, result.files, result.direct_io)
+            result = dataclasses.replace(result, path=path, seconds=time.perf_counter() - start)
         self.outcomes.last_save = result
         return result
 
@@ -112,7 +137,7 @@ class SyncSaver:
     def collect(self) -> None:
         published, self.uploader.results = self.uploader.results, []
         for done in published:  # local tier: uploaded in the background
-            self.outcomes.unpolled.append(WriteResult(done.url, done.nbytes, done.seconds, done.files, False))
+            self.outcomes.unpolled.append(WriteResult(done.url, done.nbytes, done.seconds, done.files, False, done.copied_bytes))
 
     def raise_errors(self) -> None:
         """What a background upload raised, per ``on_error``."""
@@ -135,8 +160,11 @@ class AsyncSaver:
         lock: threading.RLock,
         outcomes: Outcomes,
         track_optimizers: bool,
+        tracker: Tracker | None = None,
     ) -> None:
         self.options, self.when_busy, self.lock, self.outcomes = options, when_busy, lock, outcomes
+        self.tracker = tracker  # incremental saves (``None``: every save stages and writes every file)
+        self.tickets: dict[int, Ticket] = {}  # writer job id -> its incremental ticket
         self.pool = StagingPool(pool_cap)
         self.worker = WriterProcess(worker_config)
         self.pending: Pending | None = None  # a save whose device copies are still landing
@@ -158,7 +186,7 @@ class AsyncSaver:
         started = time.time()
         with self.lock:
             self.worker.ensure_started()  # detects a dead writer (its error is reported next)
-            self.outcomes.report(self.worker.take_errors())
+            self.outcomes.report(self.take_errors())
             prepared = prepare()
             fingerprint = savejob.fingerprint(prepared.plan)
             if fingerprint is not None and self.staged is not None and self.staged[0] == fingerprint:
@@ -166,8 +194,12 @@ class AsyncSaver:
                 # step): the pool holds (or is receiving) these bytes, and nothing overwrites it
                 # while the writer has jobs. Only the (small) metadata differs.
                 images = self.staged[1]
-                self.then(lambda: self.submit(prepared, path, images, started))
-                return time.perf_counter() - start
+                reuse, ticket = begin_incremental(self.tracker, prepared, path, self.options)
+                # Every shard not reused must be staged (the same decision against the same
+                # checkpoint, unless that one's files went away meanwhile: then stage again).
+                if all(s.filename in images or s.filename in reuse for s in prepared.plan.shards):
+                    self.then(lambda: self.submit(prepared, path, images, started, reuse=reuse, ticket=ticket))
+                    return time.perf_counter() - start
             self.drain(block=True)  # the pool is about to be staged again
             self.raise_action_errors()
             if self.worker.busy:
@@ -181,37 +213,63 @@ class AsyncSaver:
                     )
                     return None
                 self.worker.wait()
-                self.outcomes.report(self.worker.take_errors())
+                self.outcomes.report(self.take_errors())
             self.refuse_next_removal = False
             self.staged = None  # the pool is about to be overwritten
             self.stage_and_submit(prepared, path, fingerprint, started)
             return time.perf_counter() - start
 
+    def take_errors(self) -> list[CheckpointWriteError]:
+        """The writer's errors; after any, nothing is reused until a save commits whole (a save
+        that reuses from the failed one would fail too)."""
+        errors = self.worker.take_errors()
+        if errors and self.tracker is not None:
+            self.tracker.clear()
+            self.tickets.clear()
+        return errors
+
     def submit(
-        self, prepared: Prepared, path: str, images: dict[str, tuple[int, int]], started: float, chunked: bool = False
+        self,
+        prepared: Prepared,
+        path: str,
+        images: dict[str, tuple[int, int]],
+        started: float,
+        chunked: bool = False,
+        reuse: dict[str, Reused] | None = None,
+        ticket: Ticket | None = None,
     ) -> int:
         """Send the job (without tensor data) and the staged images' offsets to the writer process;
-        the destination is resolved here, so a skipped or failed staging leaves no spool behind."""
+        the destination is resolved here, so a skipped or failed staging leaves no spool behind.
+        ``reuse``/``ticket``: see ``begin_incremental``."""
         pool = (self.pool.fd, self.pool.generation)
-        job = prepared.job(Destination.resolve(path, self.options), with_data=False)
+        destination = Destination.resolve(path, self.options)
+        job = prepared.job(destination, with_data=False, reuse=reuse)
         message = {"job": job, "images": images, **({"chunked": True} if chunked else {})}
-        return self.worker.submit("save", path, message, pool=pool, submitted=started)
+        job_id = self.worker.submit("save", path, message, pool=pool, submitted=started)
+        if ticket is not None:
+            self.tickets[job_id] = ticket
+        return job_id
 
     def stage_and_submit(
         self, prepared: Prepared, path: str, fingerprint: tuple[Any, ...] | None, started: float
     ) -> None:
-        image_layout, headers = staging.layout(prepared.plan)
+        # Shards reused from the previous checkpoint hold only unchanged tensors: not staged.
+        reuse, ticket = begin_incremental(self.tracker, prepared, path, self.options)
+        to_stage = dataclasses.replace(
+            prepared.plan, shards=tuple(s for s in prepared.plan.shards if s.filename not in reuse)
+        )
+        image_layout, headers = staging.layout(to_stage)
         cap = self.pool.max_bytes
         if cap is not None and image_layout.nbytes > cap:
-            self.stage_in_chunks(prepared, path, image_layout, headers, cap, started)
+            self.stage_in_chunks(prepared, to_stage, path, image_layout, headers, cap, started, reuse, ticket)
             return
         deferrable = _changed_by_optimizers_only() if self.overlap else lambda _: False
         # Host state whose owner copies it itself (ChunkedAdamW's arena) is left to it: not copied here.
-        copies = self.pool.stage(prepared.plan, image_layout, headers, deferrable, defer_host=True)
+        copies = self.pool.stage(to_stage, image_layout, headers, deferrable, defer_host=True)
         self.staged = None if fingerprint is None else (fingerprint, image_layout.images)
 
         def submit() -> None:
-            self.submit(prepared, path, image_layout.images, started)
+            self.submit(prepared, path, image_layout.images, started, reuse=reuse, ticket=ticket)
 
         if copies is None:
             submit()
@@ -301,11 +359,14 @@ class AsyncSaver:
     def stage_in_chunks(
         self,
         prepared: Prepared,
+        to_stage: Plan,
         path: str,
         image_layout: staging.ImageLayout,
         headers: dict[str, Any],
         cap: int,
         started: float,
+        reuse: dict[str, Reused],
+        ticket: Ticket | None,
     ) -> None:
         """A state larger than ``staging_pool_size``: stage shard by shard through a ring, blocking
         only while the shards that do not fit wait for the writer to free space."""
@@ -315,17 +376,17 @@ class AsyncSaver:
                 f"A shard of {largest} bytes does not fit `staging_pool_size` ({cap} bytes). Raise"
                 " `staging_pool_size` or lower `max_shard_size`."
             )
-        self.pool.reserve(cap, pin=bool(prepared.plan.cuda_devices()))
+        self.pool.reserve(cap, pin=bool(to_stage.cuda_devices()))
         ring = staging.Ring(cap)
         job_id: int | None = None
         try:
-            for shard in prepared.plan.shards:
+            for shard in to_stage.shards:
                 _, size = image_layout.images[shard.filename]
                 start = ring.alloc(staging.aligned(size))
                 while start is None:
                     if job_id is None or not self.worker.wait_shard_written(job_id):
                         # The writer ended the job (failed or died): report it now, per `on_error`.
-                        errors = self.worker.take_errors()
+                        errors = self.take_errors()
                         ended = CheckpointWriteError(f"Saving {path!r} stopped: the writer ended the job.", path)
                         self.outcomes.report(errors or [ended])
                         return
@@ -338,7 +399,7 @@ class AsyncSaver:
                     copies.wait()
                 images = {shard.filename: (start, size)}
                 if job_id is None:
-                    job_id = self.submit(prepared, path, images, started, chunked=True)
+                    job_id = self.submit(prepared, path, images, started, chunked=True, reuse=reuse, ticket=ticket)
                 else:
                     self.worker.send_images(job_id, images)
         except BaseException:
@@ -385,7 +446,13 @@ class AsyncSaver:
         results, self.worker.results = self.worker.results, []
         for r in results:
             # seconds: from the save call until the checkpoint was committed and durable
-            result = WriteResult(r["path"], r["nbytes"], r["durable_at"] - r["submitted"], r["files"], r["direct_io"])
+            result = WriteResult(
+                r["path"], r["nbytes"], r["durable_at"] - r["submitted"], r["files"], r["direct_io"],
+                r.get("reused_bytes", 0), r.get("stored", ()),
+            )
+            ticket = self.tickets.pop(r["id"], None)
+            if ticket is not None and self.tracker is not None:
+                self.tracker.committed(*ticket[:2], result.stored, *ticket[2:])
             self.outcomes.last_save = result
             self.outcomes.unpolled.append(result)
 
@@ -394,7 +461,7 @@ class AsyncSaver:
         with self.lock:
             self.drain(block=True)
             self.worker.wait()
-            self.outcomes.report(self.worker.take_errors())
+            self.outcomes.report(self.take_errors())
             self.raise_action_errors()
 
     def stop(self) -> None:
@@ -402,7 +469,7 @@ class AsyncSaver:
         with self.lock:
             self.drain(block=True)
             self.worker.stop()
-            self.outcomes.report(self.worker.take_errors())
+            self.outcomes.report(self.take_errors())
 
 
 @dataclass
@@ -460,6 +527,25 @@ def _before_optimizer_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[s
     if "closure" in kwargs:
         return args, {**kwargs, "closure": then_hand_over}
     return (args[0], then_hand_over, *args[2:]), kwargs
+
+
+# An incremental save's ticket, for ``Tracker.committed``: its snapshot, the checkpoint it commits
+# (a local directory; a URL when committed in a spool), a multi-rank save's part folder, its URL.
+Ticket = tuple[Snapshot, str, "str | None", "str | None"]
+
+
+def begin_incremental(
+    tracker: Tracker | None, prepared: Prepared, path: str, options: remote.RemoteOptions
+) -> tuple[dict[str, Reused], Ticket | None]:
+    """The shard files a save to ``path`` may reuse (see ``incremental.Tracker``) and its ticket;
+    none for a plugin with ``incremental=False``. A remote save committed in a spool folder is
+    tracked by its URL (its reused files stay on the server)."""
+    if tracker is None:
+        return {}, None
+    url = path if remote.is_remote(path) else None
+    target = path if url is not None and options.local_dir is None else os.path.abspath(savejob.commit_dir_of(path, options))
+    reuse, snapshot = tracker.begin(prepared.plan, target)
+    return reuse, (snapshot, target, None if prepared.part is None else prepared.part.folder, url)
 
 
 def _storage(tensor: torch.Tensor) -> int:

@@ -221,7 +221,7 @@ class WriterProcess:
                 self.kept.append(message["path"])
             elif message["status"] == "ok":
                 if job is not None and job.kind == "save":
-                    self.results.append({**message["result"], "path": job.path, "submitted": job.submitted})
+                    self.results.append({**message["result"], "path": job.path, "submitted": job.submitted, "id": message["id"]})
             else:
                 if job is not None and job.kind == "save":
                     self._failed_saves.add(message["id"])
@@ -388,6 +388,8 @@ def _serve(sock: socket.socket) -> None:
                     "files": result.files,
                     "direct_io": result.direct_io,
                     "durable_at": time.time(),
+                    "reused_bytes": result.reused_bytes,
+                    "stored": result.stored,
                 }
             elif kind == "remove":
                 if message.get("after") in failed:

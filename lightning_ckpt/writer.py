@@ -36,6 +36,7 @@ import torch
 
 from lightning_ckpt import manifest as fmt
 from lightning_ckpt.errors import CheckpointError, CheckpointWriteError
+from lightning_ckpt.incremental import Reused, StoredFile, place_all, stored_files
 from lightning_ckpt.plan import Blob, Plan, dtype_name
 from lightning_ckpt.shards import ShardWriter, fsync_dir, write_small
 
@@ -58,10 +59,12 @@ class ImageSource(Protocol):
 @dataclass(frozen=True, slots=True)
 class WriteResult:
     path: str
-    nbytes: int  # bytes written, all files
+    nbytes: int  # bytes of the checkpoint, all files (written or reused)
     seconds: float  # until durable (committed and fsynced)
     files: int
     direct_io: bool
+    reused_bytes: int = 0  # of ``nbytes``, in shard files reused from an earlier checkpoint
+    stored: tuple[StoredFile, ...] = ()  # the shard files as committed (see ``incremental.Tracker``)
 
 
 
@@ -278,11 +281,12 @@ def write_checkpoint(
     global_step: int | None = None,
     epoch: int | None = None,
     images: ImageSource | None = None,
+    reuse: dict[str, Reused] | None = None,
 ) -> WriteResult:
     """Write ``plan`` as a committed checkpoint directory at ``target`` (see the commit protocol).
 
     Shard bytes come from the plan's tensors, or, with ``images``, from shard file images staged
-    in shared memory (the async path). A multi-rank save's part: ``parts.write_part``.
+    in shared memory (the async path); ``reuse``: see ``write_shards``. Multi-rank: ``parts``.
     """
     start = time.perf_counter()
     target, parent = prepare_target(target, replaces=True)
@@ -290,8 +294,8 @@ def write_checkpoint(
     try:
         tmp = TempDir(target)
         direct = shard_writer.use_direct(parent)  # probed once per folder
-        files = write_shards(plan, tmp.path, shard_writer, direct, images)
-        file_of_blob = plan.file_of_blob()
+        files, reused = write_shards(plan, tmp.path, shard_writer, direct, images, reuse)
+        stored, file_of_blob = stored_files(tmp.path, files, plan), plan.file_of_blob()
         model_blobs = [(b, s.filename) for s in plan.shards if s.component == "model" for b in s.blobs]
         files.update(write_small_files(tmp.path, metadata, model_blobs))
         manifest = fmt.Manifest(
@@ -330,8 +334,8 @@ def write_checkpoint(
             raise
         raise error from err
     tmp.release(remove=False)
-    total = manifest.total_bytes + len(data)
-    return WriteResult(target, total, time.perf_counter() - start, len(files) + 1, direct)
+    total, reused_bytes = manifest.total_bytes + len(data), sum(files[name].size for name in reused)
+    return WriteResult(target, total, time.perf_counter() - start, len(files) + 1, direct, reused_bytes, stored)
 
 
 def prepare_target(target: str | os.PathLike[str], replaces: bool) -> tuple[str, str]:
@@ -395,10 +399,16 @@ def _is_internal(filename: str, target: str) -> bool:
 
 
 def write_shards(
-    plan: Plan, folder: str, shard_writer: ShardWriter, direct: bool, images: ImageSource | None
-) -> dict[str, fmt.FileRecord]:
-    """Write every shard of ``plan`` into ``folder`` (fsynced); from ``images`` when staged."""
-    files: dict[str, fmt.FileRecord] = {}
+    plan: Plan,
+    folder: str,
+    shard_writer: ShardWriter,
+    direct: bool,
+    images: ImageSource | None,
+    reuse: dict[str, Reused] | None = None,
+) -> tuple[dict[str, fmt.FileRecord], set[str]]:
+    """Write every shard of ``plan`` into ``folder`` (fsynced), from ``images`` when staged, but those
+    in ``reuse`` (``incremental.place_all``). Returns every file's record, and the names reused."""
+    files, reused = place_all(reuse or {}, folder, staged=images is not None)
     if images is None:
         # The filler thread copies device bytes on its own (default) stream, which is not ordered
         # after a training stream of the caller's (``torch.cuda.stream(s)``): the caller's streams
@@ -406,6 +416,8 @@ def write_shards(
         for device in plan.cuda_devices():
             torch.cuda.current_stream(device).synchronize()
     for shard in plan.shards:
+        if shard.filename in files:
+            continue
         file_path = os.path.join(folder, shard.filename)
         if images is not None:
             buffer, offset, size = images.image(shard.filename)
@@ -414,7 +426,7 @@ def write_shards(
         else:
             header, _ = fmt.build_header([(b.name, b.dtype, b.shape, b.nbytes) for b in shard.blobs])
             files[shard.filename] = shard_writer.write_shard(file_path, header, shard.blobs, direct)
-    return files
+    return files, reused
 
 
 def write_small_files(

@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -119,3 +120,31 @@ def save_sharded_weight(path, full, parts: int) -> None:
             io.save_sharded({"state_dict": {"w": sharded_tensor(full, parts)}}, path, 0, 1, lambda token: token)
         finally:
             io.teardown()
+
+
+def disk_usage(folder: str | os.PathLike) -> int:
+    """Bytes of every file under ``folder``, each inode counted once (hard links share one)."""
+    seen, total = set(), 0
+    for root, _, names in os.walk(folder):
+        for name in names:
+            st = os.stat(os.path.join(root, name))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total
+
+
+def each_alone(folder: str | os.PathLike, names: list[str]) -> Iterator[tuple[str, str]]:
+    """For each checkpoint of ``names`` in ``folder``: (its name, its path in a hard-linked copy of
+    ``folder`` from which every other checkpoint was deleted). The copy is removed afterwards;
+    ``folder`` itself is left as it is."""
+    alone = f"{os.fspath(folder).rstrip(os.sep)}-alone"
+    for keep in names:
+        shutil.copytree(folder, alone, copy_function=os.link, symlinks=True)
+        try:
+            for other in names:
+                if other != keep:
+                    shutil.rmtree(os.path.join(alone, other))
+            yield keep, os.path.join(alone, keep)
+        finally:
+            shutil.rmtree(alone)

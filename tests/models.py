@@ -113,3 +113,29 @@ def fit_chunked(model: LightningModule, strategy=None, ckpt_path=None, trainer=N
     trainer.fit(model, ckpt_path=ckpt_path)
     trainer.optimizers[0].wait()
     return trainer
+
+
+class FrozenBackbone(LightningModule):
+    """A frozen backbone (``width``² x ``depth`` weights, eval mode) under a trained head: the
+    fine-tuning shape incremental saves are for. Records nothing; deterministic given the seed."""
+
+    def __init__(self, width: int = 128, depth: int = 4) -> None:
+        super().__init__()
+        self.backbone = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(depth)))
+        self.backbone.requires_grad_(False).eval()
+        self.head = torch.nn.Linear(width, 1)
+        self.width = width
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.head(self.backbone(x)), y)
+        self.log("train_loss", loss, on_step=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+    def train_dataloader(self):
+        gen = torch.Generator().manual_seed(7)
+        x = torch.randn(32, self.width, generator=gen)
+        return DataLoader(TensorDataset(x, x.mean(dim=1, keepdim=True)), batch_size=32 // STEPS_PER_EPOCH)

@@ -52,6 +52,17 @@ class Faults:
             return self.delay, failing
 
 
+@dataclass(frozen=True)
+class Request:
+    """A request the server received: ``length`` bytes of body; ``copy_source`` for a copy made
+    on the server (CopyObject, UploadPartCopy)."""
+
+    method: str
+    path: str
+    length: int
+    copy_source: str | None
+
+
 class S3Server:
     def __init__(self) -> None:
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
@@ -59,9 +70,14 @@ class S3Server:
 
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
         self.faults = Faults()
+        self.requests: list[Request] = []  # every request received, in order (appends are atomic)
         app = DomainDispatcherApplication(create_backend_app)
 
         def with_faults(environ: dict[str, Any], start_response: Any) -> Any:
+            self.requests.append(Request(
+                environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), int(environ.get("CONTENT_LENGTH") or 0),
+                environ.get("HTTP_X_AMZ_COPY_SOURCE"),
+            ))  # fmt: skip
             delay, failing = self.faults.decide(environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), environ.get("QUERY_STRING", ""))
             if delay:
                 time.sleep(delay)

@@ -47,6 +47,7 @@ REPOSITORY_MODES: tuple[str, ...] = (
     "remote",
     "offload",
     "compression",
+    "incremental",
 )
 DEFAULT_MODE = "save"
 _KEEPS_MODE = ("save",)  # its parser takes --mode itself; it gets argv unchanged

@@ -298,3 +298,40 @@ def _run_child(context: Any, task: Task, runner: Callable[[Task], Any], environ:
     if "error" in reply:
         raise RuntimeError(f"{task['kind']}: {reply['error']}\n{reply['traceback']}")
     return reply["ok"]
+
+
+def run_grid(
+    repeats: int,
+    scenarios: list[str],
+    variants: list[str],
+    task_of: Callable[[str, str, str], Task],
+    runner: Callable[[Task], Any],
+    log: Callable[[str], None],
+    after: Callable[[str], None] = lambda tag: None,
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Run ``runner(task_of(scenario, variant, tag))`` in a fresh process for every scenario and
+    variant, ``repeats`` times (repeat by repeat); ``after(tag)`` follows each run, failed or
+    not. Returns ``{scenario: {variant: {"summary": summarize(metrics), "runs": [...]}}}`` (each
+    run's result holds its ``"metrics"``) and the failures, one line per failed run."""
+    runs: dict[str, dict[str, list[Any]]] = {s: {v: [] for v in variants} for s in scenarios}
+    errors: list[str] = []
+    for r in range(repeats):
+        for scenario in scenarios:
+            for variant in variants:
+                tag = f"r{r}-{scenario}-{variant}"
+                log(f"[{r + 1}/{repeats}] {scenario} / {variant}")
+                try:
+                    runs[scenario][variant].append(run_in_fresh_process(task_of(scenario, variant, tag), runner))
+                except RuntimeError as err:
+                    errors.append(f"{tag}: {err}")
+                    log(f"{tag} FAILED: {str(err).splitlines()[0]}")
+                finally:
+                    after(tag)
+    summarized = {
+        scenario: {
+            variant: {"summary": summarize([run["metrics"] for run in variant_runs]), "runs": variant_runs}
+            for variant, variant_runs in by_variant.items()
+        }
+        for scenario, by_variant in runs.items()
+    }
+    return summarized, errors

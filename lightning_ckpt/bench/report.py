@@ -152,6 +152,20 @@ def emit_report(table: Any, report: dict[str, Any], json_path: str | None) -> No
     Console(stderr=True).print(f"[dim]results JSON written to {json_path}[/dim]", highlight=False)
 
 
+def size_argument(option: str) -> Callable[[str], int]:
+    """An argparse ``type`` for a byte size (``"512MB"``, ``"1GiB"``); its error names ``option``."""
+
+    def parse(text: str) -> int:
+        from lightning_ckpt.plan import parse_size
+
+        try:
+            return parse_size(text, option)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return parse
+
+
 _COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
 

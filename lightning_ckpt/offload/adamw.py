@@ -89,6 +89,10 @@ class ChunkedAdamW(Optimizer):
             refused.
     """
 
+    # Its write-back bumps each parameter's version counter itself, and compares the counter to
+    # tell a parameter set from outside: incremental saves' post-step hook must not bump them too.
+    bumps_parameter_versions = True
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],

@@ -38,7 +38,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsspec.spec import AbstractFileSystem
 
@@ -55,6 +55,9 @@ from lightning_ckpt.remote.transfer import (
     retried,
     upload,
 )
+
+if TYPE_CHECKING:
+    from lightning_ckpt.server_copy import ServerCopies
 
 CURRENT_FILE = "CURRENT"
 POINTER_FORMAT = "lightning_ckpt.pointer"
@@ -176,9 +179,10 @@ class Published:
     seconds: float
     files: int
     manifest_digest: str
+    copied_bytes: int = 0  # of ``nbytes``, copied on the server from earlier checkpoints, not uploaded
 
 
-def publish(local: str, url: str, options: RemoteOptions) -> Published:
+def publish(local: str, url: str, options: RemoteOptions, copies: ServerCopies | None = None) -> Published:
     """Upload the committed local checkpoint ``local`` as the new generation of ``url`` and commit it.
 
     Raises ``CheckpointWriteError`` when anything fails: nothing is committed, and the checkpoint
@@ -188,7 +192,7 @@ def publish(local: str, url: str, options: RemoteOptions) -> Published:
     fs, root = options.filesystem(url)
     # Every file is opened before the upload begins: a save replacing ``local`` meanwhile (the
     # local tier's next ``last.ckpt``) cannot mix two checkpoints; this one stays readable.
-    manifest_bytes, manifest, fds = _open_committed(local)
+    manifest_bytes, manifest, fds = _open_committed(local, frozenset() if copies is None else copies.absent)
     generation = new_generation()
     folder = f"{root}/{generation}"
     parent = root.rsplit("/", 1)[0] if "/" in root else root
@@ -209,7 +213,10 @@ def publish(local: str, url: str, options: RemoteOptions) -> Published:
         def upload_file(name: str, record: fmt.FileRecord) -> None:
             encoding = encodings.get(name)
             target = f"{folder}/{name}{ENCODINGS[encoding] if encoding else ''}"
-            size = upload(
+            copied = None if copies is None else copies.copy(fs, name, record, encoding, target)  # incremental
+            if copied is None and name not in fds:
+                raise FileNotFoundError(f"{name!r}, unchanged since an earlier checkpoint, could not be copied from it")
+            size = copied if copied is not None else upload(
                 fs, fds[name], os.path.join(local, name), target, record, manifest.checksum, options.part_size, encoding,
                 options.compression_level, parts_pool,
             )
@@ -241,7 +248,8 @@ def publish(local: str, url: str, options: RemoteOptions) -> Published:
     # (the next save of this URL, or of its folder from a later process, removes them).
     _remove_other_generations(fs, root, keep=generation)
     stored = _stored_bytes(manifest, manifest_bytes, objects)
-    return Published(url, generation, stored, time.perf_counter() - start, len(manifest.files) + 1, fmt.digest(manifest_bytes))
+    copied = 0 if copies is None else sum(copies.copied.values())
+    return Published(url, generation, stored, time.perf_counter() - start, len(manifest.files) + 1, fmt.digest(manifest_bytes), copied)
 
 
 def _points_at(fs: AbstractFileSystem, root: str, url: str, generation: str) -> bool:
@@ -267,7 +275,7 @@ def _fail(fs: AbstractFileSystem, folder: str, parent: str, url: str, err: BaseE
     raise err
 
 
-def _open_committed(local: str) -> tuple[bytes, fmt.Manifest, dict[str, int]]:
+def _open_committed(local: str, absent: frozenset[str]) -> tuple[bytes, fmt.Manifest, dict[str, int]]:
     """The manifest (bytes, parsed) of the committed local checkpoint ``local`` and an open fd of
     each file it lists, all read through one directory fd: one checkpoint, whatever replaces it
     once they are open. Replaced (and removed) while being opened: the newer one is opened."""
@@ -278,7 +286,7 @@ def _open_committed(local: str) -> tuple[bytes, fmt.Manifest, dict[str, int]]:
         try:
             manifest = manifest_in(directory)
             data = directory.read(fmt.MANIFEST_FILE)
-            for name in manifest.files:
+            for name in manifest.files.keys() - absent:  # ``absent``: stayed on the server (incremental)
                 fds[name] = directory.open(name)
         except BaseException:
             for fd in fds.values():

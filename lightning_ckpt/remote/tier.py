@@ -17,11 +17,14 @@ import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from lightning_ckpt import manifest as fmt
 from lightning_ckpt.remote.commit import Published, fetch, publish, read_committed, read_pointer, remove
 from lightning_ckpt.remote.transfer import RemoteOptions
 
+if TYPE_CHECKING:
+    from lightning_ckpt.server_copy import ServerCopies
 
 
 def spool_target(root: str | None = None) -> tuple[str, str]:
@@ -94,11 +97,14 @@ def prune_local_tier(local: str, keep: int) -> list[str]:
     return removed
 
 
-def publish_committed(local: str, url: str, options: RemoteOptions, spool: str | None) -> Published:
+def publish_committed(
+    local: str, url: str, options: RemoteOptions, spool: str | None, copies: ServerCopies | None = None
+) -> Published:
     """Publish the locally committed checkpoint ``local`` to ``url``; then remove ``spool`` (the
-    temporary folder it was committed in), or, in the local tier, mark it published and prune."""
+    temporary folder it was committed in), or, in the local tier, mark it published and prune.
+    ``copies``: files copied on the server from earlier checkpoints (incremental saves)."""
     try:
-        published = publish(local, url, options)
+        published = publish(local, url, options, copies)
     finally:
         if spool is not None:
             shutil.rmtree(spool, ignore_errors=True)

@@ -51,6 +51,17 @@ def test_two_ranks_every_rank_writes_and_resume_is_bit_identical(tmp_path, mode)
         assert _ranks(folder / name) == {0, 1}
         lc.verify_checkpoint(folder / name)
     _single_process_load_equals(folder / "epoch=1-step=8.ckpt", tmp_path / "full-epoch1.pt")
+    # ``last`` follows in the same step: under FSDP2 every rank reuses its files of the epoch
+    # checkpoint (incremental saves follow a DTensor's own version counter, not its local
+    # shard's); FSDP1's ShardedTensor pieces have no counter to trust: written again.
+    _single_process_load_equals(folder / "last.ckpt", tmp_path / "full-epoch1.pt")
+    shards = [n for n in os.listdir(folder / "last.ckpt") if n.endswith(".safetensors")]
+    linked = {
+        n: os.stat(folder / "last.ckpt" / n).st_ino == os.stat(folder / "epoch=1-step=8.ckpt" / n).st_ino for n in shards
+    }
+    # Files without "-shared-" hold this rank's own pieces: the sharded ones.
+    expected = {n: True for n in shards} if mode == "fit" else {n: False for n in shards if "-shared-" not in n}
+    assert shards and {n: linked[n] for n in expected} == expected, linked
     assert [n for n in os.listdir(folder) if n.startswith(".")] == []
     if mode == "fsdp1":  # an FSDP1 checkpoint resumes under FSDP2 on another world size
         checkpoint, full = folder / "epoch=0-step=4.ckpt", tmp_path / "full-epoch0.pt"

@@ -1,6 +1,6 @@
 """Run by test_crash.py: trains forever, saving every step, until it is SIGKILLed.
 
-argv: OUT MODE(sync|async) PIDFILE WAIT_FOR(started|committed). Top-k (monitored) + save_last, so
+argv: OUT MODE(sync|async) PIDFILE WAIT_FOR(started|committed) [MODEL(ballast|frozen)]. Top-k (monitored) + save_last, so
 every step both writes new checkpoints and removes old ones. PIDFILE appears once the test may
 kill this run; it holds the async writer's pid (empty for sync):
 
@@ -57,7 +57,16 @@ class Ballast(TinyRegressor):
         return super().training_step(batch, batch_idx)
 
 
-def main(out: str, mode: str, pid_file: str, wait_for: str) -> None:
+class FrozenBallast(TinyRegressor):
+    """64 MB of frozen weights beside the trained ones: incremental saves link their shard from
+    the previous checkpoint, so kills land in saves that reuse files."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ballast = torch.nn.Parameter(torch.randn(16_000_000), requires_grad=False)
+
+
+def main(out: str, mode: str, pid_file: str, wait_for: str, model: str = "ballast") -> None:
     seed_everything(0)
     io = lc.ShardedCheckpointIO(async_save=mode == "async")
     checkpoint = lc.ShardedModelCheckpoint(
@@ -71,8 +80,8 @@ def main(out: str, mode: str, pid_file: str, wait_for: str) -> None:
     )
     pace = Pace(io, checkpoint, pid_file, wait_for)
     trainer = Trainer(max_epochs=100_000, callbacks=[checkpoint, pace], plugins=[io], **trainer_kwargs())
-    trainer.fit(Ballast())
+    trainer.fit(FrozenBallast() if model == "frozen" else Ballast())
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

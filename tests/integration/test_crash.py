@@ -32,7 +32,7 @@ import time
 import pytest
 import torch
 from lightning.pytorch import Trainer
-from crash_fit import Ballast
+from crash_fit import Ballast, FrozenBallast
 from models import trainer_kwargs
 
 from helpers import process_alive, wait_until_gone
@@ -43,10 +43,12 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "crash_fit.py")
 TOP_K = 2  # crash_fit.py's save_top_k
 
 
-def _kill_once(folder, mode: str, rng: random.Random, earlier: dict[str, bytes], wait_for: str) -> dict:
+def _kill_once(
+    folder, mode: str, rng: random.Random, earlier: dict[str, bytes], wait_for: str, model: str = "ballast"
+) -> dict:
     pid_file = folder / f"writer-{rng.random()}.pid"
     proc = subprocess.Popen(
-        [sys.executable, SCRIPT, str(folder / "ckpts"), mode, str(pid_file), wait_for],
+        [sys.executable, SCRIPT, str(folder / "ckpts"), mode, str(pid_file), wait_for, model],
         cwd=folder,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -75,10 +77,11 @@ def _kill_once(folder, mode: str, rng: random.Random, earlier: dict[str, bytes],
     # Judge the folder only once the killed writer is really gone (nothing changes it after that).
     if pid_file.read_text():
         assert wait_until_gone(int(pid_file.read_text()), 120), "the writer process outlived its training process"
-    return check_folder(folder / "ckpts", earlier, run_saved=mode == "sync" or wait_for == "committed")
+    run_saved = mode == "sync" or wait_for == "committed"
+    return check_folder(folder / "ckpts", earlier, run_saved, FrozenBallast if model == "frozen" else Ballast)
 
 
-def check_folder(ckpts, earlier: dict[str, bytes], run_saved: bool) -> dict:
+def check_folder(ckpts, earlier: dict[str, bytes], run_saved: bool, model_class: type = Ballast) -> dict:
     """Check the invariants of the module docstring after a kill.
 
     ``earlier``: name -> manifest bytes of every checkpoint visible after the previous kills;
@@ -111,7 +114,7 @@ def check_folder(ckpts, earlier: dict[str, bytes], run_saved: bool) -> dict:
         # Resume without training further: the restored weights are the saved ones.
         saved = lc.load_checkpoint(ckpts / lasts[0])
         assert saved["global_step"] == step
-        model = Ballast()
+        model = model_class()
         io = lc.ShardedCheckpointIO()
         trainer = Trainer(max_steps=step, enable_checkpointing=False, plugins=[io], **trainer_kwargs())
         trainer.fit(model, ckpt_path=ckpts / lasts[0])
@@ -129,14 +132,14 @@ def check_folder(ckpts, earlier: dict[str, bytes], run_saved: bool) -> dict:
     return {"step": step, "visible": len(visible), "new": len(new), "leftovers": len(leftovers)}
 
 
-def _campaign(tmp_path, mode: str, kills: int, seed: int) -> list[dict]:
+def _campaign(tmp_path, mode: str, kills: int, seed: int, model: str = "ballast") -> list[dict]:
     rng = random.Random(seed)
     earlier: dict[str, bytes] = {}
     # The same folder every time: each run meets the previous runs' checkpoints and debris. Async
     # kills alternate between the first saves (the writer may still be starting: on a loaded
     # machine that takes seconds) and the steady state after the run's first committed `last`.
     return [
-        _kill_once(tmp_path, mode, rng, earlier, wait_for="started" if i % 2 == 0 else "committed")
+        _kill_once(tmp_path, mode, rng, earlier, wait_for="started" if i % 2 == 0 else "committed", model=model)
         for i in range(kills)
     ]
 
@@ -146,6 +149,18 @@ def test_sigkill_at_random_moments_quick(tmp_path, mode):
     results = _campaign(tmp_path, mode, kills=2, seed=1)
     # Sync, both kills land after the run's first committed step; async, the second does.
     assert results[1]["step"] is not None and (results[0]["step"] is not None or mode == "async"), results
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigkill_during_incremental_saves_quick(tmp_path, mode):
+    """Frozen weights: every save after a run's first links their shard from the previous
+    checkpoint. The same invariants hold, and each run after a kill (a new process: it links
+    nothing from the killed run's checkpoints) saves correct, complete checkpoints."""
+    results = _campaign(tmp_path, mode, kills=4, seed=3, model="frozen")
+    assert results[1]["step"] is not None and results[3]["step"] is not None, results  # runs after kills saved
+    ckpts = tmp_path / "ckpts"
+    stable = [ckpts / n / "model-stable-00001-of-00001.safetensors" for n in os.listdir(ckpts) if not n.startswith(".")]
+    assert any(p.exists() and os.stat(p).st_nlink > 1 for p in stable), "no save reused the frozen shard"
 
 
 @pytest.mark.slow

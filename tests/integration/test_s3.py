@@ -232,3 +232,49 @@ def test_a_lost_reply_to_the_commit_keeps_the_committed_checkpoint(s3, monkeypat
     lc.save_checkpoint(new, url, storage_options=storage_options)
     server.faults.clear()
     assert torch.equal(lc.load_checkpoint(url)["state_dict"]["w"], new["state_dict"]["w"])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "local_tier"])
+def test_incremental_saves_copy_unchanged_objects_on_the_server(s3, tmp_path, mode):
+    """A frozen backbone: after the first save, each save uploads only what changed and copies
+    the backbone's object on the server; every checkpoint loads alone after the others are gone."""
+    from lightning.pytorch import Trainer, seed_everything
+    from models import FrozenBackbone, trainer_kwargs
+    from urllib.parse import unquote
+
+    from test_incremental_trainer import Capture
+
+    server, prefix = s3
+    dirpath = f"s3://{prefix}/run"
+    options = {"async_save": True} if mode == "async" else {"local_dir": tmp_path / "tier"} if mode == "local_tier" else {}
+    io = lc.ShardedCheckpointIO(**options)
+    checkpoint = lc.ShardedModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=1, save_top_k=-1, metrics_file=None)
+    capture = Capture()
+    seed_everything(0)
+    start = len(server.requests)
+    Trainer(max_steps=4, callbacks=[checkpoint, capture], plugins=[io], **trainer_kwargs()).fit(FrozenBackbone(width=256))
+    requests = server.requests[start:]
+    stable = "model-stable-00001-of-00001.safetensors"
+    backbone = sum(v.nbytes for k, v in capture.states[1].items() if k.startswith("backbone."))
+
+    def uploaded(step: int) -> int:
+        return sum(
+            r.length for r in requests
+            if r.method in ("PUT", "POST") and r.copy_source is None and f"/run/step={step}.ckpt/" in unquote(r.path)
+        )  # fmt: skip
+
+    def copied(step: int) -> list[str]:
+        return [unquote(r.copy_source) for r in requests if r.copy_source and f"/run/step={step}.ckpt/" in unquote(r.path)]
+
+    assert uploaded(1) > backbone and copied(1) == []
+    for step in (2, 3, 4):
+        assert uploaded(step) < 0.1 * backbone, (step, uploaded(step))
+        # The backbone (and the callbacks' unchanged state) copied from the previous checkpoint.
+        assert any(f"/run/step={step - 1}.ckpt/" in c and c.endswith(stable) for c in copied(step)), copied(step)
+        assert all(f"/run/step={step - 1}.ckpt/" in c for c in copied(step))
+    records = {r["global_step"]: r for r in checkpoint.save_records}
+    assert records[1]["reused_bytes"] == 0 and all(records[s]["reused_bytes"] > backbone for s in (2, 3, 4)), records
+    for step in (1, 2, 3):
+        lc.remove_checkpoint(f"{dirpath}/step={step}.ckpt")
+    loaded = lc.load_checkpoint(f"{dirpath}/step=4.ckpt", storage_options=None)
+    assert all(torch.equal(loaded["state_dict"][k], v) for k, v in capture.states[4].items())

@@ -324,3 +324,31 @@ def test_a_load_without_local_tier_downloads_into_shared_memory_when_it_fits(mon
     local, done = remote.local_copy_for_load(url, remote.RemoteOptions())
     assert not local.startswith(str(tmp_path))  # no shared memory: the temporary folder
     done()
+
+
+def test_incremental_remote_saves_copy_on_the_server_and_survive_a_removed_source(memory_fs):
+    """Unchanged files are neither written nor uploaded again: copied from the previous
+    checkpoint's generation. One removed behind the plugin's back is saved whole instead."""
+    torch.manual_seed(0)
+    frozen = {"frozen": torch.randn(4096)}
+    io = ShardedCheckpointIO(max_shard_size=1)  # one file per tensor
+    urls = [f"memory://bucket/run/{n}.ckpt" for n in "abcd"]
+
+    def save(url: str, step: int) -> dict:
+        state = {"state_dict": {**frozen, "head": torch.full((4,), float(step))}, "global_step": step}
+        io.save_checkpoint(state, url)
+        return state
+
+    states = {urls[0]: save(urls[0], 0), urls[1]: save(urls[1], 1)}
+    assert io.last_save.reused_bytes > frozen["frozen"].nbytes  # copied, not uploaded
+    remove_checkpoint(urls[0])
+    assert torch.equal(load_checkpoint(urls[1])["state_dict"]["frozen"], frozen["frozen"])
+    remove_checkpoint(urls[1])  # behind the plugin's back: the next save cannot copy from it
+    states[urls[2]] = save(urls[2], 2)
+    assert io.last_save.reused_bytes == 0
+    states[urls[3]] = save(urls[3], 3)
+    assert io.last_save.reused_bytes > 0
+    for url in urls[2:]:
+        loaded = load_checkpoint(url)
+        assert all(torch.equal(loaded["state_dict"][k], v) for k, v in states[url]["state_dict"].items())
+    io.teardown()
