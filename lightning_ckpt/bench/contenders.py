@@ -334,7 +334,8 @@ class Sharded(Contender):
         return super().poll()
 
     def helper_pids(self) -> list[int]:
-        pid = getattr(getattr(self.io, "_worker", None), "pid", None)  # the writer process, if started
+        saver = self.io.async_saver if self.asynchronous else None
+        pid = None if saver is None else saver.worker.pid  # the writer process, if started
         return [] if pid is None else [pid]
 
     def teardown(self) -> None:
