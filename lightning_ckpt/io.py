@@ -45,7 +45,7 @@ from lightning_ckpt.functional import (  # re-exported: ``lightning_ckpt.io.X`` 
 from lightning_ckpt.compile import normalize_key
 from lightning_ckpt.incremental import Tracker, frozen_keys, stable_predicate, track_optimizer_steps
 from lightning_ckpt.plan import Stable, parse_size
-from lightning_ckpt.saver import AsyncSaver, Outcomes, SyncSaver
+from lightning_ckpt.saver import AsyncSaver, Outcomes, SyncSaver, tracked_name
 from lightning_ckpt.savejob import Prepared
 from lightning_ckpt.shards import ShardWriter
 from lightning_ckpt.writer import WriteResult
@@ -499,9 +499,8 @@ class ShardedCheckpointIO(CheckpointIO):
             )
             return
         with self._lock:
-            if self._tracker is not None:  # as ``saver.begin_incremental`` names the checkpoint
-                spooled = remote.is_remote(path) and self.remote.local_dir is None
-                self._tracker.forget(path if spooled else os.path.abspath(savejob.commit_dir_of(path, self.remote)))
+            if self._tracker is not None:
+                self._tracker.forget(tracked_name(path, self.remote))
             self._async.then(lambda: self._remove(path))  # after the save replacing it is handed off
 
     def _remove(self, path: str) -> None:

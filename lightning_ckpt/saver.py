@@ -543,9 +543,17 @@ def begin_incremental(
     if tracker is None:
         return {}, None
     url = path if remote.is_remote(path) else None
-    target = path if url is not None and options.local_dir is None else os.path.abspath(savejob.commit_dir_of(path, options))
+    target = tracked_name(path, options)
     reuse, snapshot = tracker.begin(prepared.plan, target)
     return reuse, (snapshot, target, None if prepared.part is None else prepared.part.folder, url)
+
+
+def tracked_name(path: str, options: remote.RemoteOptions) -> str:
+    """The name the incremental tracker knows the checkpoint at ``path`` by: its URL when it is
+    committed in a spool folder (its files stay on the server), else its absolute commit folder."""
+    if remote.is_remote(path) and options.local_dir is None:
+        return path
+    return os.path.abspath(savejob.commit_dir_of(path, options))
 
 
 def _storage(tensor: torch.Tensor) -> int:
