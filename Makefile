@@ -26,11 +26,14 @@ test: $(STAMP)
 # does not serve by default), in a second environment, .venv-newest: the unit and integration
 # tiers on it (CI runs both). Here torch 2.14.1 itself comes as the CUDA build (~2.7 GB of wheels,
 # installed in ~1.2 min; it runs on CPU, the gpu tests skip). Measured on the 2-core CI machine:
-# `make test` 8.5 min, this install 1.2 min, the unit tier 17 s and the integration tier 2.8 min on
-# it: ~14 min of CI in all. The distributed and bench tiers stay on the pinned torch only.
+# `make test` ~10 min, this install 1.2 min, the unit tier 17 s and the integration tier ~2.8 min
+# on it. The distributed and bench tiers stay on the pinned torch only, and so do the integration
+# tests of process-level behaviour that no torch version changes (SIGKILL campaigns, two processes
+# sharing a folder, Ctrl-C), ~1.5 min: CI stays near 15 min.
 # Another torch: `make test-newest NEWEST_TORCH=2.15.0`.
 NEWEST_TORCH ?= 2.14.1
 NEWEST_TESTS ?= tests/unit tests/integration
+NEWEST_SKIP ?= tests/integration/test_crash.py tests/integration/test_concurrency.py tests/integration/test_interrupt.py
 NEWEST_VENV ?= .venv-newest
 NEWEST_PY := $(NEWEST_VENV)/bin/python
 NEWEST_STAMP := $(NEWEST_VENV)/.installed-torch-$(NEWEST_TORCH)
@@ -45,7 +48,7 @@ $(NEWEST_STAMP): setup.cfg pyproject.toml
 
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_PY) -c "import torch, lightning; print('torch', torch.__version__, '/ lightning', lightning.__version__)"
-	$(NEWEST_PY) -m pytest -q $(NEWEST_TESTS)
+	$(NEWEST_PY) -m pytest -q $(NEWEST_TESTS) $(addprefix --ignore=,$(NEWEST_SKIP))
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "slow or not slow"
