@@ -52,13 +52,17 @@ def test_bench_offload_save_tiny(tmp_path: Path, monkeypatch) -> None:
         assert row["median_stall_seconds"] > 0 and row["median_durable_seconds"] > 0 and row["optimizer_d2h_bytes"] == 0
 
 
-def test_bench_offload_largest_tiny(tmp_path: Path) -> None:
+def run_largest(tmp_path: Path, *options: str) -> list[dict]:
+    """``--largest`` for a decoder of width 32 on 2 x ``--seq-len`` tokens; its result rows."""
     json_path = tmp_path / "largest.json"
-    argv = ["--mode", "offload", "--largest", "--width", "32", "--heads", "2", "--vocab", "64", "--seq-len", "64",
-            "--sequences", "2", "--budget", "200KB", "--chunk-size", "4KiB", "--steps", "1", "--max-layers", "64",
-            "--json", str(json_path)]
+    argv = ["--mode", "offload", "--largest", "--width", "32", "--heads", "2", "--vocab", "64", "--sequences", "2",
+            "--chunk-size", "4KiB", "--steps", "1", *options, "--json", str(json_path)]
     assert bench.main(argv) == 0
-    rows = {r["contender"]: r for r in json.loads(json_path.read_text())["results"]}
+    return json.loads(json_path.read_text())["results"]
+
+
+def test_bench_offload_largest_tiny(tmp_path: Path) -> None:
+    rows = {r["contender"]: r for r in run_largest(tmp_path, "--seq-len", "64", "--budget", "200KB", "--max-layers", "64")}
     assert set(rows) == {"ChunkedOffloadStrategy", "resident (every chunk resident)"}
     streamed, resident = rows["ChunkedOffloadStrategy"], rows["resident (every chunk resident)"]
     for row in rows.values():
@@ -75,12 +79,7 @@ def test_bench_offload_largest_tiny(tmp_path: Path) -> None:
 
 
 def test_bench_offload_largest_host_cap_tiny(tmp_path: Path) -> None:
-    json_path = tmp_path / "largest.json"
-    argv = ["--mode", "offload", "--largest", "--width", "32", "--heads", "2", "--vocab", "64", "--seq-len", "8",
-            "--sequences", "2", "--budget", "10MB", "--chunk-size", "4KiB", "--steps", "1", "--max-host-gb", "0.002",
-            "--json", str(json_path)]
-    assert bench.main(argv) == 0
-    for row in json.loads(json_path.read_text())["results"]:
+    for row in run_largest(tmp_path, "--seq-len", "8", "--budget", "10MB", "--max-host-gb", "0.002"):
         # at 24 B/param, 2 MB holds 6 blocks of 12 x 32² + 4 x 32 parameters besides the embedding,
         # the final norm and the head (2 x 64 x 32 + 2 x 32), not 7: the budget (10 MB) is not what stops it
         assert (row["largest_layers"], row["next_layers"]) == (6, 7)
