@@ -40,8 +40,9 @@ trains if it raises no budget or out-of-memory error and its peak device bytes (
 allocator's ``max_memory_allocated`` since the size was built, after ``empty_cache`` and
 ``reset_peak_memory_stats``; CPU: the strategy's ``memory_stats()``) stay within the budget. A
 depth whose host memory (estimated at ``HOST_BYTES_PER_PARAM`` per parameter) exceeds
-``--max-host-gb`` is not tried. Per contender: the largest depth, its parameters, step time and
-peak, and the next depth with why it failed; every depth tried in the JSON.
+``--max-host-gb`` is not tried. Per contender: the largest depth, its parameters, step time (one
+run per depth: ``--repeats`` does not apply) and peak, and the next depth with why it failed;
+every depth tried in the JSON.
 
 GPU rows (``--device cuda``): whole training steps (forward and backward under bf16 autocast,
 optimizer step) of a stack of ``--layers`` linear layers of ``--width`` on ``--batch`` rows, for
