@@ -29,6 +29,21 @@ rank (``torch.optim.AdamW`` on the host) and ``ChunkedOffloadStrategy``'s stream
 ``--budget`` (one unit per block, ``ChunkedAdamW``): step time, tokens/s, the allocator's peak,
 the strategy's plan and copied bytes, and the step time against the resident model.
 
+Largest-model rows (``--largest``; ``--device cuda`` too): the deepest decoder (the GPU strategy
+rows' decoder: ``--width``, ``--heads``, ``--vocab``; depth grown) that trains on ``--sequences``
+x ``--seq-len`` tokens under ``--budget``: depths 1, 2, 4, ... until one fails (or
+``--max-layers``), then bisected. Each depth is a real ``Trainer`` fit of 1 + ``--steps`` steps
+(``ChunkedAdamW``): with ``ChunkedOffloadStrategy`` (one unit per block, the model built on the
+meta device), and resident (on CUDA no strategy, the model on the GPU; on the CPU the strategy
+with every chunk resident, for its byte accounting: parameters and saved activations). A depth
+trains if it raises no budget or out-of-memory error and its peak device bytes (CUDA: the
+allocator's ``max_memory_allocated`` since the size was built, after ``empty_cache`` and
+``reset_peak_memory_stats``; CPU: the strategy's ``memory_stats()``) stay within the budget. A
+depth whose host memory (estimated at ``HOST_BYTES_PER_PARAM`` per parameter) exceeds
+``--max-host-gb`` is not tried. Per contender: the largest depth, its parameters, step time (one
+run per depth: ``--repeats`` does not apply) and peak, and the next depth with why it failed;
+every depth tried in the JSON.
+
 GPU rows (``--device cuda``): whole training steps (forward and backward under bf16 autocast,
 optimizer step) of a stack of ``--layers`` linear layers of ``--width`` on ``--batch`` rows, for
 AdamW on the GPU (fused), ``ChunkedAdamW``, FSDP2 ``fully_shard(offload_policy=CPUOffloadPolicy())``
@@ -39,13 +54,15 @@ device memory, host RSS and page-locked bytes. Medians of ``--repeats`` runs of 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from lightning_ckpt.bench.measure import median
+from lightning_ckpt.bench.measure import median, proc_status
 from lightning_ckpt.bench.report import (
     add_json_argument,
     emit_report,
@@ -57,6 +74,11 @@ from lightning_ckpt.bench.report import (
 )
 
 STEP_BYTES_PER_PARAM = 28  # AdamW: read p, g, m, v; write p, m, v (fp32)
+# --largest: host bytes per parameter a size is estimated to need (bf16 chunk and gradient,
+# ChunkedAdamW's fp32 master, moments and gradient buffer, slack), and the default cap's share of
+# the available host memory
+HOST_BYTES_PER_PARAM = 24
+HOST_MARGIN = 0.8
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heads", type=int, default=32, help="--strategy --device cuda: attention heads")
     parser.add_argument("--budget-fraction", type=float, default=0.34, help="--strategy: device budget / parameter bytes")
     parser.add_argument("--prefetch", type=int, default=2, help="--strategy: units fetched ahead")
+    parser.add_argument("--largest", action="store_true", help="the largest decoder (--width, --heads, --seq-len, --sequences; depth grown) that trains under --budget, streamed and resident")
+    parser.add_argument("--max-layers", type=int, default=1024, help="--largest: the deepest decoder tried")
+    parser.add_argument("--max-host-gb", type=float, default=None, help=f"--largest: host memory a size may need (estimated at {HOST_BYTES_PER_PARAM} B/param); default {HOST_MARGIN:.0%}% of the available")
     parser.add_argument("--save", action="store_true", help="rows of an async checkpoint save with ChunkedAdamW vs AdamW")
     add_json_argument(parser)
     return parser
@@ -184,8 +209,6 @@ def _gpu_contenders(chunk_size: str) -> dict[str, Callable[[Any], tuple[Any, Any
 def run_gpu(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Training steps of a linear stack under bf16 autocast, per contender (see the module doc)."""
     import torch
-
-    from lightning_ckpt.bench.measure import proc_status
 
     rows = []
     for name, make in _gpu_contenders(args.chunk_size).items():
@@ -326,18 +349,19 @@ def run_strategy(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _decoder(args: argparse.Namespace) -> Any:
-    """A decoder of ``--layers`` pre-norm blocks (attention, 4x MLP) of ``--width``, bf16
-    parameters, each block recomputed in backward (activation checkpointing), on the CPU."""
+@functools.cache
+def _decoder_classes() -> tuple[type, type]:
+    """``(Block, Decoder)``: a pre-norm block (attention, 4x MLP) and the decoder of such blocks,
+    each recomputed in backward (activation checkpointing); defined once (``unit_types`` names
+    ``Block``)."""
     import torch
     import torch.nn.functional as F
     from torch.utils.checkpoint import checkpoint
 
-    width, heads = args.width, args.heads
-
     class Block(torch.nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, width: int, heads: int) -> None:
             super().__init__()
+            self.heads = heads
             self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
             self.qkv = torch.nn.Linear(width, 3 * width, bias=False)
             self.out = torch.nn.Linear(width, width, bias=False)
@@ -345,19 +369,19 @@ def _decoder(args: argparse.Namespace) -> Any:
             self.down = torch.nn.Linear(4 * width, width, bias=False)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            b, t, _ = x.shape
-            q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, heads, width // heads).transpose(1, 3).unbind(2)
+            b, t, width = x.shape
+            q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, width // self.heads).transpose(1, 3).unbind(2)
             attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = x + self.out(attention.transpose(1, 2).reshape(b, t, width))
             return x + self.down(F.gelu(self.up(self.norm2(x))))
 
     class Decoder(torch.nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, vocab: int, width: int, heads: int, layers: int) -> None:
             super().__init__()
-            self.embed = torch.nn.Embedding(args.vocab, width)
-            self.blocks = torch.nn.ModuleList(Block() for _ in range(args.layers))
+            self.embed = torch.nn.Embedding(vocab, width)
+            self.blocks = torch.nn.ModuleList(Block(width, heads) for _ in range(layers))
             self.norm = torch.nn.LayerNorm(width)
-            self.head = torch.nn.Linear(width, args.vocab, bias=False)
+            self.head = torch.nn.Linear(width, vocab, bias=False)
 
         def forward(self, tokens: torch.Tensor) -> torch.Tensor:
             x = self.embed(tokens)
@@ -365,8 +389,23 @@ def _decoder(args: argparse.Namespace) -> Any:
                 x = checkpoint(block, x, use_reentrant=False)
             return self.head(self.norm(x))
 
+    return Block, Decoder
+
+
+def _decoder(args: argparse.Namespace, layers: int | None = None) -> Any:
+    """A decoder of ``layers`` (default ``--layers``) pre-norm blocks of ``--width``, ``--heads``,
+    ``--vocab``, bf16 parameters, built under the current default device (the CPU, or meta)."""
+    import torch
+
+    _, decoder = _decoder_classes()
     torch.manual_seed(0)
-    return Decoder().to(torch.bfloat16)
+    return decoder(args.vocab, args.width, args.heads, args.layers if layers is None else layers).to(torch.bfloat16)
+
+
+def _decoder_params(args: argparse.Namespace, layers: int) -> int:
+    """Parameters of ``_decoder(args, layers)``: 12 w² + 4 w per block, 2 v w + 2 w besides."""
+    width = args.width
+    return layers * (12 * width * width + 4 * width) + 2 * args.vocab * width + 2 * width
 
 
 def _units(model: Any) -> list[tuple[str, Any]]:
@@ -470,6 +509,204 @@ def run_strategy_gpu(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def default_max_host_gb() -> float:
+    """``HOST_MARGIN`` of the host memory available now (``MemAvailable``), in GB."""
+    from lightning_ckpt.bench.measure import meminfo
+
+    available = meminfo().get("MemAvailable") or os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available * HOST_MARGIN / 1e9
+
+
+def _does_not_fit(exc: BaseException) -> str | None:
+    """Why a size failed if ``exc`` (or what caused it: ``ChunkedAdamW``'s worker errors wrap
+    theirs) means it does not fit: the budget (the strategy's plan, naming the unit) or device
+    memory; ``None`` for any other error."""
+    import torch
+
+    from lightning_ckpt.offload.placement import OffloadBudgetError
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OffloadBudgetError):
+            return f"OffloadBudgetError: {str(seen).split(' Raise `device_memory_budget`')[0]}"
+        if isinstance(seen, torch.OutOfMemoryError) or (isinstance(seen, RuntimeError) and "out of memory" in str(seen)):
+            return f"{type(seen).__name__}: {str(seen).splitlines()[0][:200]}"
+        seen = seen.__cause__
+    return None
+
+
+def _probe(args: argparse.Namespace, layers: int, resident: bool, budget: int, max_host: float) -> dict[str, Any]:
+    """Train the decoder of ``layers`` blocks for 1 + ``--steps`` steps under a real ``Trainer``:
+    with ``ChunkedOffloadStrategy(budget)`` (built on the meta device, initialized into the host
+    chunks), or ``resident`` (on CUDA: no strategy, the model on the GPU; on the CPU: the strategy
+    with every chunk resident, for its byte accounting). ``ChunkedAdamW`` either way. Returns
+    ``layers``, ``params``, and ``peak_device_bytes`` / ``step_seconds`` if it trained; ``reason``
+    if it does not train within the budget (not attempted over the host-memory cap)."""
+    import gc
+    import logging
+
+    import torch
+    import torch.nn.functional as F
+    from lightning.pytorch import Callback, LightningModule, Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_ckpt import ChunkedAdamW, ChunkedOffloadStrategy
+
+    params = _decoder_params(args, layers)
+    row: dict[str, Any] = {"layers": layers, "params": params}
+    host = params * HOST_BYTES_PER_PARAM
+    if host > max_host * 1e9:
+        row["reason"] = (
+            f"host-memory cap: ~{host / 1e9:.3g} GB of host memory ({HOST_BYTES_PER_PARAM} B/param) over"
+            f" --max-host-gb {max_host:.3g}"
+        )
+        return row
+    cuda = args.device == "cuda"
+    sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+    vocab, steps = args.vocab, args.steps
+
+    class Decoder(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.decoder = _decoder(args, layers)
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            (tokens,) = batch
+            logits = self.decoder(tokens[:, :-1])
+            return F.cross_entropy(logits.float().view(-1, vocab), tokens[:, 1:].reshape(-1))
+
+        def configure_optimizers(self) -> Any:
+            return ChunkedAdamW(self.parameters(), chunk_size=args.chunk_size)
+
+    class Timer(Callback):
+        """Wall time of steps 2 .. 1 + ``steps`` (the warm-up traces the plan), the last step's
+        optimizer work and device queue included."""
+
+        seconds: float | None = None
+
+        def on_train_batch_start(self, trainer: Trainer, *_: Any) -> None:
+            if trainer.global_step == 1:
+                sync()
+                self.started = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Trainer, *_: Any) -> None:
+            if trainer.global_step == 1 + steps:
+                trainer.optimizers[0].wait()
+                sync()
+                self.seconds = (time.perf_counter() - self.started) / steps
+
+    block, _ = _decoder_classes()
+    offload = None
+    if not (resident and cuda):
+        offload = ChunkedOffloadStrategy(
+            device_memory_budget=2**62 if resident else budget, chunk_size=args.chunk_size, prefetch=args.prefetch,
+            unit_types=[block, torch.nn.Embedding, torch.nn.LayerNorm, torch.nn.Linear],
+        )
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, ((1 + steps) * args.sequences, args.seq_len + 1), generator=gen)
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    timer = Timer()
+    trainer = model = None
+    if cuda:  # the peak counts from here: every earlier size's memory was released
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    try:
+        trainer = Trainer(
+            accelerator="gpu" if cuda else "cpu", devices=1, strategy=offload or "auto", max_steps=1 + steps,
+            callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        with trainer.init_module(empty_init=True) if offload else contextlib.nullcontext():
+            model = Decoder()  # the strategy: on the meta device; resident: on the CPU, moved at setup
+        trainer.fit(model, DataLoader(TensorDataset(tokens), batch_size=args.sequences))
+        stats = offload.memory_stats() if offload else {}
+        peak = torch.cuda.max_memory_allocated() - before if cuda else stats["peak_device_bytes"]
+        row.update({"peak_device_bytes": peak, "step_seconds": timer.seconds, "host_rss_bytes": proc_status().get("VmRSS")})
+        row.update({k: stats[k] for k in ("accounted_peak_bytes", "streamed_chunks", "slots", "h2d_bytes") if k in stats})
+        if peak > budget:
+            row["reason"] = f"peak device memory {peak / 2**20:.3f} MiB over the budget ({budget / 2**20:.3f} MiB)"
+    except Exception as exc:  # noqa: BLE001 - only the failures that mean "does not fit" are kept
+        reason = _does_not_fit(exc)
+        if reason is None:
+            raise
+        row["reason"] = reason
+    finally:
+        # Nothing of this size may survive into the next: the exception (its frames) is gone here,
+        # the Trainer, model and optimizer (its host arena, pinned on CUDA) go now.
+        trainer = model = offload = None
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    return row
+
+
+def _largest(args: argparse.Namespace, resident: bool, budget: int, max_host: float, log: Callable[[str], None]) -> dict[str, Any]:
+    """The largest depth that trains under ``budget`` (doubling from 1 block, then bisecting), the
+    size after it and why that one failed; one probe per depth tried."""
+    probes: dict[int, dict[str, Any]] = {}
+
+    def trains(layers: int) -> bool:
+        if layers not in probes:
+            probes[layers] = _probe(args, layers, resident, budget, max_host)
+            probe = probes[layers]
+            outcome = probe["reason"] if "reason" in probe else f"trains: {fmt(probe['step_seconds'], 3)} s/step"
+            log(f"{'resident' if resident else 'strategy'} {layers} layers ({probe['params'] / 1e6:.2f}M params): {outcome}")
+        return "reason" not in probes[layers]
+
+    good, bad, layers = 0, None, 1
+    while bad is None and good < args.max_layers:
+        layers = min(layers, args.max_layers)
+        if trains(layers):
+            good, layers = layers, 2 * layers
+        else:
+            bad = layers
+    while bad is not None and bad - good > 1:
+        middle = (good + bad) // 2
+        if trains(middle):
+            good = middle
+        else:
+            bad = middle
+    name = ("resident (no strategy)" if args.device == "cuda" else "resident (every chunk resident)") if resident else "ChunkedOffloadStrategy"
+    row: dict[str, Any] = {"contender": name, "device_memory_budget": budget, "largest_layers": good or None}
+    if good:
+        best = probes[good]
+        row.update({
+            "params": best["params"], "parameter_bytes": 2 * best["params"], "step_seconds": best["step_seconds"],
+            "tokens_per_second": args.sequences * args.seq_len / best["step_seconds"] if best["step_seconds"] else None,
+            "peak_device_bytes": best["peak_device_bytes"],
+        })
+    if bad is None:
+        row.update({"next_layers": args.max_layers + 1, "next_reason": f"not tried: --max-layers {args.max_layers}"})
+    else:
+        failed = probes[bad]
+        row.update({"next_layers": bad, "next_params": failed["params"], "next_reason": failed["reason"]})
+        row.update({f"next_{k}": failed[k] for k in ("step_seconds", "peak_device_bytes") if k in failed})
+    row["probes"] = [probes[k] for k in sorted(probes)]
+    return row
+
+
+def run_largest(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The largest decoder (in blocks) that trains under ``--budget``, streamed by
+    ``ChunkedOffloadStrategy`` and resident (see the module doc)."""
+    from lightning_ckpt.bench.report import stderr_logger
+    from lightning_ckpt.plan import parse_size
+
+    budget = parse_size(args.budget, "--budget")
+    max_host = args.max_host_gb if args.max_host_gb is not None else default_max_host_gb()
+    log = stderr_logger()
+    rows = [_largest(args, resident, budget, max_host, log) for resident in (False, True)]
+    for row in rows:
+        row["max_host_gb"] = max_host
+    streamed, resident = rows
+    if streamed.get("params") and resident.get("params"):
+        streamed["params_vs_resident"] = streamed["params"] / resident["params"]
+    return rows
+
+
 def run_save(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The save rows: one async save after a step, ``AdamW`` (fused) against ``ChunkedAdamW``."""
     import tempfile
@@ -542,6 +779,19 @@ def run_save(args: argparse.Namespace) -> list[dict[str, Any]]:
 def render_table(rows: list[dict[str, Any]]) -> Any:
     from rich.table import Table
 
+    if any("largest_layers" in row for row in rows):
+        table = Table(title=f"largest decoder trained under a {fmt(rows[0]['device_memory_budget'] / 2**20, 3)} MiB device budget")
+        columns = ("contender", "layers", "Mparams", "x resident", "step s", "peak device MiB", "next layers", "next Mparams", "why the next failed")
+        for column in columns:
+            table.add_column(column, justify="left" if column in ("contender", "why the next failed") else "right")
+        for row in rows:
+            params, next_params, peak = (row.get(k) for k in ("params", "next_params", "peak_device_bytes"))
+            table.add_row(
+                row["contender"], str(row["largest_layers"] or "-"), fmt(params / 1e6 if params else None),
+                fmt(row.get("params_vs_resident")), fmt(row.get("step_seconds"), 4), fmt(peak / 2**20 if peak else None, 3),
+                str(row["next_layers"]), fmt(next_params / 1e6 if next_params else None), row["next_reason"],
+            )
+        return table
     if any("median_stall_seconds" in row for row in rows):
         table = Table(title="async save after a step (medians)")
         columns = ("contender", "stall s", "durable s", "staged in call MB", "optimizer D2H MB", "arena copied MB", "copy-on-write MB")
@@ -590,8 +840,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench --mode offload --device cuda needs a CUDA device; run without --device for the CPU rows.", file=sys.stderr)
         return 2
+    if args.largest and min(args.steps, args.max_layers) < 1:
+        print(f"bench --mode offload --largest: `--steps {args.steps}` and `--max-layers {args.max_layers}` must be at least 1.", file=sys.stderr)
+        return 2
     started = time.time()
-    if args.save:
+    if args.largest:
+        rows = run_largest(args)
+    elif args.save:
         rows = run_save(args)
     elif args.device == "cuda":
         rows = run_strategy_gpu(args) if args.strategy else run_gpu(args)

@@ -50,3 +50,37 @@ def test_bench_offload_save_tiny(tmp_path: Path, monkeypatch) -> None:
     assert rows["AdamW fused"]["staged_in_call_bytes"] - rows["ChunkedAdamW"]["staged_in_call_bytes"] == moments
     for row in rows.values():
         assert row["median_stall_seconds"] > 0 and row["median_durable_seconds"] > 0 and row["optimizer_d2h_bytes"] == 0
+
+
+def run_largest(tmp_path: Path, *options: str) -> list[dict]:
+    """``--largest`` for a decoder of width 32 on 2 x ``--seq-len`` tokens; its result rows."""
+    json_path = tmp_path / "largest.json"
+    argv = ["--mode", "offload", "--largest", "--width", "32", "--heads", "2", "--vocab", "64", "--sequences", "2",
+            "--chunk-size", "4KiB", "--steps", "1", *options, "--json", str(json_path)]
+    assert bench.main(argv) == 0
+    return json.loads(json_path.read_text())["results"]
+
+
+def test_bench_offload_largest_tiny(tmp_path: Path) -> None:
+    rows = {r["contender"]: r for r in run_largest(tmp_path, "--seq-len", "64", "--budget", "200KB", "--max-layers", "64")}
+    assert set(rows) == {"ChunkedOffloadStrategy", "resident (every chunk resident)"}
+    streamed, resident = rows["ChunkedOffloadStrategy"], rows["resident (every chunk resident)"]
+    for row in rows.values():
+        # the answer is the boundary: the largest depth trained within the budget, the next did not
+        assert row["next_layers"] == row["largest_layers"] + 1
+        tried = {p["layers"]: p for p in row["probes"]}
+        assert "reason" not in tried[row["largest_layers"]] and "reason" in tried[row["next_layers"]]
+        assert all(("reason" in p) == (p["layers"] > row["largest_layers"]) for p in row["probes"])
+        assert 0 < row["peak_device_bytes"] <= row["device_memory_budget"] == 200_000 and row["step_seconds"] > 0
+    # streamed, the depth is bounded by the saved activations: the plan's error names the unit
+    assert streamed["next_reason"].startswith("OffloadBudgetError") and "unit 'decoder.blocks." in streamed["next_reason"]
+    assert resident["next_reason"].startswith("peak device memory") and resident["next_peak_device_bytes"] > 200_000
+    assert streamed["largest_layers"] > resident["largest_layers"] and streamed["params_vs_resident"] > 1
+
+
+def test_bench_offload_largest_host_cap_tiny(tmp_path: Path) -> None:
+    for row in run_largest(tmp_path, "--seq-len", "8", "--budget", "10MB", "--max-host-gb", "0.002"):
+        # at 24 B/param, 2 MB holds 6 blocks of 12 x 32² + 4 x 32 parameters besides the embedding,
+        # the final norm and the head (2 x 64 x 32 + 2 x 32), not 7: the budget (10 MB) is not what stops it
+        assert (row["largest_layers"], row["next_layers"]) == (6, 7)
+        assert row["next_reason"].startswith("host-memory cap") and "--max-host-gb 0.002" in row["next_reason"]
