@@ -207,8 +207,9 @@ class ChunkedAdamW(Optimizer):
                     p.data = self._arena.own_storage(chunk.master[i])  # its master weights: no write-back
                     aliased.append(weakref.ref(p))
         largest = max((s.numel for s in layout.chunks), default=0)
-        self._worker = Worker(Stepper(self._arena, largest, self.device, self._group))
-        weakref.finalize(self, _shutdown, self._worker, self._arena, aliased)
+        self._stepper = Stepper(self._arena, largest, self.device, self._group)
+        self._worker = Worker(self._stepper)
+        weakref.finalize(self, _shutdown, self._worker, self._stepper, self._arena, aliased)
         self._hooked: set[int] = set()  # ids of modules given wait hooks
         self._awaited: set[torch.Tensor] = set()  # parameters a hooked module's forward waits for
         self._discovery = (
@@ -291,11 +292,7 @@ class ChunkedAdamW(Optimizer):
                         f" (shape {tuple(p.shape)}) now has a gradient. Build the optimizer after freezing"
                         " or unfreezing parameters."
                     )
-        grads_ready = None
-        if self.device.type == "cuda":
-            grads_ready = torch.cuda.Event()
-            grads_ready.record(torch.cuda.current_stream(self.device))
-        waits = []
+        jobs, waits = [], []
         for chunk in self._chunks:
             members, grads = [], []
             for i, p in enumerate(chunk.params):
@@ -321,12 +318,21 @@ class ChunkedAdamW(Optimizer):
             lr = group["lr"]
             job = Job(
                 chunk, members, steps, float(lr), float(group["betas"][0]), float(group["betas"][1]),
-                float(group["eps"]), float(group["weight_decay"]), grads_ready, grads,
+                float(group["eps"]), float(group["weight_decay"]), None, grads,
             )
-            chunk.done.clear()
-            self._worker.jobs.put(job)
+            jobs.append(job)
             if chunk.synchronous or not self._overlap:
                 waits.append(chunk)
+        if self.device.type == "cuda":
+            # Recorded after the loop: the copies into gradient views above (``_into_view``) are on
+            # this stream too, and the worker's D2H copy waits for this event alone.
+            grads_ready = torch.cuda.Event()
+            grads_ready.record(torch.cuda.current_stream(self.device))
+            for job in jobs:
+                job.grads_ready = grads_ready
+        for job in jobs:
+            job.chunk.done.clear()
+            self._worker.jobs.put(job)
         self._wait(waits)
         return loss
 
@@ -516,11 +522,16 @@ def _torch_indices(groups: list[dict[str, Any]]) -> dict[int, int]:
     return index
 
 
-def _shutdown(worker: Worker, arena: HostArena, aliased: list[weakref.ref[torch.Tensor]]) -> None:
-    """The optimizer is gone: end the worker, give the parameters that lived in the arena memory
-    of their own (the arena is unmapped next), then release the arena (its file descriptor)."""
+def _shutdown(
+    worker: Worker, stepper: Stepper, arena: HostArena, aliased: list[weakref.ref[torch.Tensor]]
+) -> None:
+    """The optimizer is gone: end the worker, let its last write-back copy finish reading the
+    arena (CUDA), give the parameters that lived in the arena memory of their own (the arena is
+    unmapped next), then release the arena (its file descriptor)."""
     worker.stop()
     worker.join()
+    if stepper.last_write is not None:
+        stepper.last_write.synchronize()
     for ref in aliased:
         p = ref()
         if p is not None and arena.holds(p):
