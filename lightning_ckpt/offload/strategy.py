@@ -193,6 +193,9 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and self.root_device.type == "cuda":
+            unscale_on_the_host(scaler)
         if self._streamer is not None:
             self._streamer.optimizers = [o for o in self.optimizers if isinstance(o, ChunkedAdamW)]
 
@@ -342,3 +345,30 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
 
 
 __all__ = ["ChunkedOffloadStrategy", "OffloadBudgetError"]
+
+
+class _HostGradientsScaler:
+    """A ``GradScaler`` whose scale lives on the device while the gradients are in host memory.
+
+    torch hands each gradient's device a copy of ``inv_scale`` and ``found_inf`` made with
+    ``non_blocking=True``: for the host, a page-locked buffer the CPU unscale kernel reads before
+    the copy has landed (a stale or zero scale; an inf it found overwritten by the late copy of the
+    zero). Here the two are copied to the host blocking first: the kernel reads settled values."""
+
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        if inv_scale.device.type != "cpu":
+            inv_scale, found_inf = inv_scale.cpu(), found_inf.cpu()
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)  # type: ignore[misc]
+
+
+def unscale_on_the_host(scaler: Any) -> None:
+    """Make ``scaler`` (Lightning's precision plugin's, on a CUDA device) unscale host gradients
+    safely: its class becomes a subclass with :class:`_HostGradientsScaler` first, so its state and
+    settings stay as they are."""
+    cls = type(scaler)
+    if issubclass(cls, _HostGradientsScaler):
+        return
+    scaler.__class__ = type(f"HostGradients{cls.__name__}", (_HostGradientsScaler, cls), {})
+

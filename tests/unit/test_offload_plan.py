@@ -198,3 +198,27 @@ def test_prefetch_order_and_eviction_after_the_warm_up():
     assert held == [[0, 1], [2, 1], [2, 3], [2, 3]]
     assert streamer.peak_device_bytes <= 584
     assert all(torch.equal(a, b) for a, b in zip(*expected_grads))  # same weights, same gradients
+
+
+def test_the_host_gradients_scaler_keeps_the_scalers_state_and_results():
+    """On CUDA the strategy makes Lightning's scaler copy its scale to the host before unscaling
+    host gradients (tests/gpu covers the race); the scaler's settings, state and arithmetic stay."""
+    from lightning_ckpt.offload.strategy import unscale_on_the_host
+
+    def run(scaler: torch.amp.GradScaler, poison: bool) -> tuple[torch.Tensor, float]:
+        p = torch.nn.Parameter(torch.ones(4))
+        opt = torch.optim.SGD([p], lr=1.0)
+        scaler.scale((p * (float("inf") if poison else 2.0)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        return p.detach().clone(), scaler.get_scale()
+
+    for poison in (False, True):
+        plain = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1)
+        host = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1)
+        unscale_on_the_host(host)
+        unscale_on_the_host(host)  # once is enough
+        assert isinstance(host, torch.amp.GradScaler) and type(host).__mro__[2] is torch.amp.GradScaler
+        a, b = run(plain, poison), run(host, poison)
+        assert torch.equal(a[0], b[0]) and a[1] == b[1]
+        assert host.state_dict() == plain.state_dict()
