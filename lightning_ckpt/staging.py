@@ -34,7 +34,7 @@ import tempfile
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -102,21 +102,44 @@ def _populate(view: torch.Tensor, address: int, nbytes: int) -> None:
         view.zero_()  # an older kernel: writing every page faults it in as well
 
 
+def pin_pieces(ends: Sequence[int], nbytes: int) -> list[int]:
+    """Registration pieces (their end offsets) for a pool whose owner copies whole ranges ending at
+    ``ends`` (ascending multiples of ALIGN): each piece ends at one of them, so no copy spans two
+    registrations, and holds up to ``PIN_CHUNK`` bytes (a longer range is one piece of its own)."""
+    pieces: list[int] = []
+    start = 0
+    for end, following in zip(ends, [*ends[1:], None]):
+        if end >= nbytes or following is None or following - start > PIN_CHUNK:
+            pieces.append(min(end, nbytes))
+            start = end
+        if end >= nbytes:
+            break
+    if not pieces or pieces[-1] < nbytes:
+        pieces.append(nbytes)
+    return pieces
+
+
 class _Preparer:
     """Faults a pool's pages in and, for device copies, page-locks them: a background thread, in
-    ``PIN_CHUNK`` steps from offset 0. ``[0, ready)`` is done; ``wait_for`` blocks until a range is.
+    ``PIN_CHUNK`` steps from offset 0, registering each piece (``pieces``: their end offsets;
+    default every ``PIN_CHUNK``) once faulted in. ``[0, ready)`` is done; ``wait_for`` blocks
+    until a range is.
 
-    Invariant: a chunk is registered with CUDA at most once and unregistered only by ``close``.
+    Invariant: a piece is registered with CUDA at most once and unregistered only by ``close``.
     """
 
-    def __init__(self, view: torch.Tensor, address: int, nbytes: int, pin: bool) -> None:
+    def __init__(
+        self, view: torch.Tensor, address: int, nbytes: int, pin: bool, pieces: Sequence[int] | None = None
+    ) -> None:
         self.ready = 0
         self.pin = pin
+        self._pieces = list(range(PIN_CHUNK, nbytes, PIN_CHUNK)) + [nbytes] if pieces is None else list(pieces)
+        self.registered = 0  # bytes page-locked so far
         # The caller's device (Lightning has set the rank's): a new thread's is device 0, and
         # registering from there would open a context on GPU 0 for every rank of the node.
         self._device = torch.cuda.current_device() if pin else None
         self.failed = False  # a registration failed: the rest runs unpinned (slower, still correct)
-        self._chunks: list[int] = []
+        self._chunks: list[int] = []  # addresses registered
         self._stop = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(
@@ -129,7 +152,8 @@ class _Preparer:
         # 2-vCPU VM); registration follows in order, so ``ready`` is always a prefix.
         starts = deque(range(0, nbytes, PIN_CHUNK))
         populating: deque[Future[None]] = deque()
-        offset = 0
+        pieces = deque(self._pieces)
+        offset = piece_start = 0
         if self._device is not None:
             torch.cuda.set_device(self._device)
         executor = ThreadPoolExecutor(_POPULATE_THREADS, thread_name_prefix="lightning_ckpt-fault")
@@ -140,15 +164,20 @@ class _Preparer:
                     size = min(PIN_CHUNK, nbytes - start)
                     populating.append(executor.submit(_populate, view[start : start + size], address + start, size))
                 populating.popleft().result()
-                n = min(PIN_CHUNK, nbytes - offset)
-                if self.pin and not self.failed:
-                    if int(torch.cuda.cudart().cudaHostRegister(address + offset, n, _HOST_REGISTER_PORTABLE)) == 0:
-                        self._chunks.append(address + offset)
-                    else:
-                        self.failed = True
-                offset += n
+                offset += min(PIN_CHUNK, nbytes - offset)  # faulted in up to here
+                while pieces and pieces[0] <= offset:  # every piece faulted in whole: page-lock it
+                    end = pieces.popleft()
+                    if self.pin and not self.failed and end > piece_start:
+                        n = end - piece_start
+                        if int(torch.cuda.cudart().cudaHostRegister(address + piece_start, n, _HOST_REGISTER_PORTABLE)) == 0:
+                            self._chunks.append(address + piece_start)
+                            self.registered += n
+                        else:
+                            self.failed = True
+                    piece_start = end
+                ready = offset if not self.pin or self.failed else piece_start
                 with self._cond:
-                    self.ready = offset
+                    self.ready = ready
                     self._cond.notify_all()
         finally:
             executor.shutdown(wait=True, cancel_futures=True)  # no thread writes after this
@@ -312,9 +341,11 @@ class StagingPool:
         self._claimed: list[DeferredSource] = []  # owners of host bytes left to them by ``stage``
         self.host_bytes_copied = 0  # host bytes ``stage``/``stage_shard`` copied in the caller, ever
 
-    def reserve(self, nbytes: int, pin: bool = False) -> None:
+    def reserve(self, nbytes: int, pin: bool = False, pieces: Sequence[int] | None = None) -> None:
         """Make the pool at least ``nbytes`` large (a new buffer only when it must grow) and start
-        faulting it in, and page-locking it if ``pin`` (and CUDA is there), in the background."""
+        faulting it in, and page-locking it if ``pin`` (and CUDA is there), in the background;
+        ``pieces``: the end offsets of its registrations (see :func:`pin_pieces`), for an owner
+        whose copies must not span two (default: every ``PIN_CHUNK``, which ``stage`` splits at)."""
         pin = pin and torch.cuda.is_available()
         if nbytes > self.nbytes or self._map is None:
             if self.max_bytes is not None and nbytes > self.max_bytes:
@@ -333,7 +364,7 @@ class StagingPool:
                 self._preparer.close()
             address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
             assert self._view is not None
-            self._preparer = _Preparer(self._view, address, self.nbytes, pin)
+            self._preparer = _Preparer(self._view, address, self.nbytes, pin, pieces)
 
     @property
     def buffer(self) -> mmap.mmap:
@@ -349,7 +380,7 @@ class StagingPool:
     def pinned_bytes(self) -> int:
         """Bytes page-locked so far (0 without CUDA or before the first device save)."""
         p = self._preparer
-        return 0 if p is None else min(len(p._chunks) * PIN_CHUNK, self.nbytes)
+        return 0 if p is None else p.registered
 
     def stage(
         self,

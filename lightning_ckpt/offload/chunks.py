@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from lightning_ckpt.staging import StagingPool, aligned, register_deferred_source
+from lightning_ckpt.staging import StagingPool, aligned, pin_pieces, register_deferred_source
 
 MASTER_DTYPE = torch.float32
 _ITEM = 4  # bytes per element of the master weights and both moments
@@ -143,11 +143,13 @@ class HostArena:
     """
 
     def __init__(self, layout: Layout, pin: bool) -> None:
+        held = [spec for spec in layout.chunks if spec.host_offset >= 0]
         self._pool = StagingPool()
-        self._pool.reserve(max(layout.nbytes, 1), pin=pin)
+        # Page-locked in pieces that end at chunk ends: a chunk's copies never span two.
+        nbytes = max(layout.nbytes, 1)
+        self._pool.reserve(nbytes, pin=pin, pieces=pin_pieces(sorted(spec.host_end for spec in held), nbytes))
         self._bytes = torch.frombuffer(self._pool.buffer, dtype=torch.uint8)
         self.nbytes = layout.nbytes
-        held = [spec for spec in layout.chunks if spec.host_offset >= 0]
         self._starts = [spec.host_offset for spec in held]  # ascending: chunks are laid out in order
         self._specs = held
         # Save copies not made yet, per chunk index: (arena source, pool destination). Guarded by

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 import torch
 
@@ -46,3 +49,22 @@ def test_pool_reuses_its_buffer_and_grows_only_when_needed():
     capped = StagingPool(max_bytes=4096)
     with pytest.raises(ValueError, match="staging_pool_size"):
         capped.reserve(8192)
+
+
+def test_pin_pieces_end_at_range_ends_and_stay_within_a_registration_chunk():
+    """An owner's ranges (ChunkedAdamW's chunks) never span two page-locked registrations: every
+    piece ends where a range ends, holds at most PIN_CHUNK unless one range alone is longer, and
+    the pieces cover the pool."""
+    from lightning_ckpt.staging import ALIGN, PIN_CHUNK, pin_pieces
+
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = [ALIGN * rng.choice([1, 7, 4096, 30_000, 65_536, 100_000, 200_000]) for _ in range(rng.randint(1, 40))]
+        ends = list(itertools.accumulate(sizes))
+        pieces = pin_pieces(ends, ends[-1])
+        assert pieces == sorted(set(pieces)) and pieces[-1] == ends[-1]
+        assert set(pieces) <= set(ends)
+        for start, end in zip([0, *pieces], pieces):
+            inside = [e for e in ends if start < e <= end]
+            assert end - start <= PIN_CHUNK or len(inside) == 1, (start, end)
+    assert pin_pieces([], 4096) == [4096]
