@@ -73,16 +73,28 @@ def flip_byte(file: str | os.PathLike, offset: int) -> None:
 
 
 def close_process_group() -> None:
-    """End a multi-rank test script: every rank meets, then tears its process group down.
+    """End a multi-rank test script: every rank meets, tears its process groups down, then frees
+    what still holds them, so that no group's threads outlive this call.
 
-    Left to interpreter shutdown, gloo's threads were destroyed while joinable ("terminate called
-    without an active exception", exit code -6), once each in two scripts' full-suite runs.
+    ``destroy_process_group()`` unregisters every group, but a gloo backend (its worker threads,
+    its TCP loop, rank 0's store daemon) lives until the last reference to its group goes: FSDP (1)
+    modules, their ``FlatParamHandle`` and DDP keep ``process_group`` inside the Trainer's reference
+    cycles. Left to the collection inside interpreter finalization, a worker still releasing a
+    finished work (the barrier's, which holds the previous collective's tensors) takes the GIL to
+    drop their Python objects; Python ends such a thread during finalization (``pthread_exit``),
+    and the forced unwind through torch's ``noexcept`` frames calls ``std::terminate``: "terminate
+    called without an active exception", exit code -6, rarely and under load. Collecting here
+    destroys the backend, which joins its workers while the interpreter is whole. Groups torch
+    itself keeps alive (FSDP2's device meshes, referenced from its DTensor specs) stay.
     """
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    gc.collect()
 
 
 @contextlib.contextmanager
@@ -94,7 +106,7 @@ def one_rank_group(folder) -> Iterator[None]:
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        close_process_group()
 
 
 def sharded_tensor(full, parts: int):
