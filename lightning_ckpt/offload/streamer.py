@@ -131,7 +131,7 @@ class Streamer:
         """Move every parameter's data into host chunks, in the order of ``params`` (a parameter on
         the meta device gets its place there, zeroed)."""
         self.params = params
-        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}  # (chunk, where): see ``_point``
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}  # see ``_place``
         entries = [(0, aligned(p.numel() * p.element_size()), p.dtype) for p in params]
         layout = plan_chunks(entries, self._chunk_bytes_arg)
         self.specs = layout.chunks
@@ -190,24 +190,26 @@ class Streamer:
         n = p.numel() * p.element_size()
         return buffer[offset : offset + n].view(p.dtype).view(p.shape)
 
-    def _buffer(self, chunk: int, where: int) -> torch.Tensor:
-        """The memory of ``chunk`` at ``where``: ``HOST``, ``RESIDENT`` or a slot index."""
-        if where == HOST:
-            return self.host[chunk]
-        if where == RESIDENT:
-            return self.resident[chunk]
-        return self.slots[where][: self.chunk_nbytes[chunk]]
+    def _place(self, chunk: int, where: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The memory of ``chunk`` at ``where`` (``HOST``, ``RESIDENT`` or a slot index) and its
+        parameters' views of it."""
+        place = self._views.get((chunk, where))
+        if place is None:
+            # Made once per chunk and place while the memory lives: ``_apply``, ``_unapply`` and
+            # ``_pack`` forget them (so they never keep device memory alive past ``_unapply``).
+            if where == HOST:
+                buffer = self.host[chunk]
+            elif where == RESIDENT:
+                buffer = self.resident[chunk]
+            else:
+                buffer = self.slots[where][: self.chunk_nbytes[chunk]]
+            views = [self._view(buffer, slot.offset, self.params[slot.param]) for slot in self.specs[chunk].slots]
+            place = self._views[(chunk, where)] = (buffer, views)
+        return place
 
     def _point(self, chunk: int, where: int) -> None:
         """Every parameter of ``chunk`` at its place in the chunk's memory at ``where``."""
-        views = self._views.get((chunk, where))
-        if views is None:
-            # Made once per chunk and place while the memory lives: ``_apply``, ``_unapply`` and
-            # ``_pack`` forget them (so they never keep device memory alive past ``_unapply``).
-            buffer = self._buffer(chunk, where)
-            views = [self._view(buffer, slot.offset, self.params[slot.param]) for slot in self.specs[chunk].slots]
-            self._views[(chunk, where)] = views
-        for slot, view in zip(self.specs[chunk].slots, views):
+        for slot, view in zip(self.specs[chunk].slots, self._place(chunk, where)[1]):
             p = self.params[slot.param]
             if p.data_ptr() != view.data_ptr() or p.device != view.device:
                 p.data = view
@@ -315,7 +317,7 @@ class Streamer:
             optimizer.wait_for(params)
         with torch.no_grad():
             label = ("fetch", chunk, "resident" if where == RESIDENT else where)
-            event = self.streams.copy_in(self._buffer(chunk, where), self.host[chunk], after, label=label)
+            event = self.streams.copy_in(self._place(chunk, where)[0], self.host[chunk], after, label=label)
         self.fetched[chunk] = self._last_copy = event
         # What a device copies, also where the CPU's resident chunk is its host chunk (no bytes move).
         self.h2d_bytes += self.chunk_nbytes[chunk]

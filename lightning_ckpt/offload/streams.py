@@ -17,7 +17,7 @@ so the same ordering logic runs on CUDA and on the CPU standing in for the devic
 the host thread is the compute stream; copies are synchronous and events complete at once, unless
 ``copy_delay`` is set: then copies run in order on one background thread that sleeps that long
 before each copy (a slow copy stream), so a use that does not wait for its fetch reads stale
-memory. A resident chunk's device memory on the CPU is its host chunk itself (the CPU reads it
+memory; once that thread runs, every later copy goes through it, in issue order. A resident chunk's device memory on the CPU is its host chunk itself (the CPU reads it
 where it is), so its fetch is a copy of memory onto itself: issued, ordered and counted like any
 other (its event, the wait for it, ``h2d_bytes``), but no bytes move. Both can keep a log of what
 they did (``log``: a list, or ``None``), in issue order.
@@ -79,7 +79,9 @@ class HostStreams:
         # Source and destination the same memory (a resident chunk: see the module docstring):
         # nothing to move, but the copy keeps its place in the order (waits, event, delay).
         same = dst.data_ptr() == src.data_ptr()
-        if self.copy_delay <= 0:
+        # Once copies went to the background thread they all do: copies stay in issue order (a
+        # later event done means every earlier copy is, as on a CUDA stream).
+        if self.copy_delay <= 0 and self._jobs is None:
             if after is not None:
                 after.wait()
             if not same:
@@ -92,7 +94,8 @@ class HostStreams:
             try:
                 if after is not None:
                     after.wait()
-                time.sleep(delay)
+                if delay > 0:
+                    time.sleep(delay)
                 if not same:
                     dst.copy_(src)  # the job holds ``src`` until it is copied
             finally:
