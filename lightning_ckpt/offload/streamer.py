@@ -5,7 +5,9 @@ At setup every parameter's data is moved into a host chunk (the layout of
 ``.data`` points there. The device then holds the plan's resident chunks (for the whole run) and a
 fixed pool of slots, one streamed chunk each. The host chunks are the truth: between a backward
 and the next use every parameter, resident or not, points at its host chunk, the optimizer steps
-it there, and a resident chunk is copied to its device buffer again on its first use after that.
+it there, and a resident chunk is copied to its device buffer again on its first use after that
+(on the CPU that buffer is the host chunk: the copy keeps its place in the ordering and its bytes
+in ``h2d_bytes``, and moves nothing).
 
 Device work goes through :mod:`lightning_ckpt.offload.streams` (CUDA, or the CPU standing in for
 it). Invariants, per chunk in device memory:

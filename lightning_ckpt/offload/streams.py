@@ -17,10 +17,11 @@ so the same ordering logic runs on CUDA and on the CPU standing in for the devic
 the host thread is the compute stream; copies are synchronous and events complete at once, unless
 ``copy_delay`` is set: then copies run in order on one background thread that sleeps that long
 before each copy (a slow copy stream), so a use that does not wait for its fetch reads stale
-memory; once that thread runs, every later copy goes through it, in issue order. A resident chunk's device memory on the CPU is its host chunk itself (the CPU reads it
-where it is), so its fetch is a copy of memory onto itself: issued, ordered and counted like any
-other (its event, the wait for it, ``h2d_bytes``), but no bytes move. Both can keep a log of what
-they did (``log``: a list, or ``None``), in issue order.
+memory; once that thread runs, every later copy goes through it, in issue order. A resident
+chunk's device memory on the CPU is its host chunk itself (the CPU reads it where it is), so its
+fetch is a copy of memory onto itself: issued, ordered and counted like any other (its event, the
+wait for it, ``h2d_bytes``), but no bytes move. Both can keep a log of what they did (``log``: a
+list, or ``None``), in issue order.
 Called from the main thread and from autograd's threads, one at a time. Nothing here imports
 Lightning.
 """
