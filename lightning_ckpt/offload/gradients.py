@@ -53,7 +53,9 @@ class HostGrads:
         self._params = {id(p): p for p in params}
         self._prior: dict[int, torch.Tensor] = {}
         self._arrived: dict[int, list[Optional[torch.Tensor]]] = {}  # id -> staged additions (None: in the view)
-        self._pending: list[Any] = []
+        # The event of the last copy out of this backward: copies out run in issue order on one
+        # stream (CUDA's D2H stream, HostStreams' one copy thread), so when it is done all are.
+        self._last_copy: Any = None
         self.open = False
         self.d2h_bytes = 0
 
@@ -90,7 +92,7 @@ class HostGrads:
         target = self._view[key] if dst is None else dst
         # After every kernel issued so far, among them the one that wrote ``grad``.
         made = self._streams.record(("grad", key))
-        self._pending.append(self._streams.copy_out(target, grad, after=made, label=("grad", key)))
+        self._last_copy = self._streams.copy_out(target, grad, after=made, label=("grad", key))
         self.d2h_bytes += grad.numel() * grad.element_size()
         p.grad = None
 
@@ -98,9 +100,9 @@ class HostGrads:
         """Call with every parameter's data in host memory (``.grad`` must match its device)."""
         if not self.open:
             return
-        for event in self._pending:
-            self._streams.synchronize(event)
-        self._pending = []
+        if self._last_copy is not None:
+            self._streams.synchronize(self._last_copy)
+            self._last_copy = None
         with torch.no_grad():
             for key, p in self._params.items():
                 staged = self._arrived.get(key)

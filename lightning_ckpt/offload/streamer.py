@@ -5,7 +5,9 @@ At setup every parameter's data is moved into a host chunk (the layout of
 ``.data`` points there. The device then holds the plan's resident chunks (for the whole run) and a
 fixed pool of slots, one streamed chunk each. The host chunks are the truth: between a backward
 and the next use every parameter, resident or not, points at its host chunk, the optimizer steps
-it there, and a resident chunk is copied to its device buffer again on its first use after that.
+it there, and a resident chunk is copied to its device buffer again on its first use after that
+(on the CPU that buffer is the host chunk: the copy keeps its place in the ordering and its bytes
+in ``h2d_bytes``, and moves nothing).
 
 Device work goes through :mod:`lightning_ckpt.offload.streams` (CUDA, or the CPU standing in for
 it). Invariants, per chunk in device memory:
@@ -60,6 +62,7 @@ from lightning_ckpt.offload.streams import Streams
 from lightning_ckpt.staging import StagingPool
 
 ALIGN = 64  # bytes; every slot and chunk offset is a multiple (any dtype views it)
+HOST, RESIDENT = -1, -2  # where a chunk's memory is, besides a slot (its index)
 
 
 class _Activations:
@@ -130,6 +133,7 @@ class Streamer:
         """Move every parameter's data into host chunks, in the order of ``params`` (a parameter on
         the meta device gets its place there, zeroed)."""
         self.params = params
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}  # see ``_place``
         entries = [(0, aligned(p.numel() * p.element_size()), p.dtype) for p in params]
         layout = plan_chunks(entries, self._chunk_bytes_arg)
         self.specs = layout.chunks
@@ -188,10 +192,27 @@ class Streamer:
         n = p.numel() * p.element_size()
         return buffer[offset : offset + n].view(p.dtype).view(p.shape)
 
-    def _point(self, chunk: int, buffer: torch.Tensor) -> None:
-        for slot in self.specs[chunk].slots:
+    def _place(self, chunk: int, where: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The memory of ``chunk`` at ``where`` (``HOST``, ``RESIDENT`` or a slot index) and its
+        parameters' views of it."""
+        place = self._views.get((chunk, where))
+        if place is None:
+            # Made once per chunk and place while the memory lives: ``_apply``, ``_unapply`` and
+            # ``_pack`` forget them (so they never keep device memory alive past ``_unapply``).
+            if where == HOST:
+                buffer = self.host[chunk]
+            elif where == RESIDENT:
+                buffer = self.resident[chunk]
+            else:
+                buffer = self.slots[where][: self.chunk_nbytes[chunk]]
+            views = [self._view(buffer, slot.offset, self.params[slot.param]) for slot in self.specs[chunk].slots]
+            place = self._views[(chunk, where)] = (buffer, views)
+        return place
+
+    def _point(self, chunk: int, where: int) -> None:
+        """Every parameter of ``chunk`` at its place in the chunk's memory at ``where``."""
+        for slot, view in zip(self.specs[chunk].slots, self._place(chunk, where)[1]):
             p = self.params[slot.param]
-            view = self._view(buffer, slot.offset, p)
             if p.data_ptr() != view.data_ptr() or p.device != view.device:
                 p.data = view
 
@@ -217,7 +238,8 @@ class Streamer:
         slots. Every parameter stays on its host chunk until its first use."""
         self.resident: dict[int, torch.Tensor] = {}
         for c in sorted(plan.resident):
-            self.resident[c] = torch.empty(self.chunk_nbytes[c], dtype=torch.uint8, device=self.device)
+            # On the CPU the host chunk itself (its refills move no bytes): ``Streams.resident_buffer``.
+            self.resident[c] = self.streams.resident_buffer(self.host[c])
         self.stale = set(self.resident)  # resident chunks whose device copy is older than the host's
         # Resident chunks no unit holds are read outside every unit's hooks: filled before each step.
         held = {c for unit in self.units for c in unit.chunks}
@@ -225,7 +247,9 @@ class Streamer:
         self.fetched: dict[int, Any] = {}  # chunk -> its copy's event, until the compute stream waited
         self.slots = [torch.empty(plan.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(plan.slots)]
         self._slot_by_ptr = {s.data_ptr(): i for i, s in enumerate(self.slots)}
-        self._stable_ptrs = {b.data_ptr() for b in self.resident.values()} | {h.data_ptr() for h in self.host}
+        # Storages that do not move while the graph waits: resident buffers, the host chunks' one.
+        self._stable_ptrs = {t.untyped_storage().data_ptr() for t in [*self.resident.values(), *self.host]}
+        self._views = {}
         self.holder: list[int | None] = [None] * plan.slots  # chunk in each slot
         # Per slot: the event after the last kernel that read it (the next copy into it waits).
         self.released: list[Any] = [self._idle] * plan.slots
@@ -247,6 +271,7 @@ class Streamer:
         self.streams.synchronize(self._idle)  # nothing reads the device memory now: it can go
         self.resident = {}
         self.slots = []
+        self._views = {}
 
     # -- fetch and evict ------------------------------------------------------------------------
 
@@ -284,25 +309,27 @@ class Streamer:
         slot = self.slot_of.pop(chunk)
         self.holder[slot] = None
         self.fetched.pop(chunk, None)
-        self._point(chunk, self.host[chunk])
+        self._point(chunk, HOST)
 
-    def _copy_in(self, chunk: int, buffer: torch.Tensor, after: Any, where: Any) -> None:
+    def _copy_in(self, chunk: int, where: int, after: Any) -> None:
         # A chunk can hold parameters of several units: wait for the optimizer's step of every
         # one of them before its host memory is copied.
         params = [self.params[s.param] for s in self.specs[chunk].slots]
         for optimizer in self.optimizers:
             optimizer.wait_for(params)
         with torch.no_grad():
-            event = self.streams.copy_in(buffer, self.host[chunk], after, label=("fetch", chunk, where))
+            label = ("fetch", chunk, "resident" if where == RESIDENT else where)
+            event = self.streams.copy_in(self._place(chunk, where)[0], self.host[chunk], after, label=label)
         self.fetched[chunk] = self._last_copy = event
+        # What a device copies, also where the CPU's resident chunk is its host chunk (no bytes move).
         self.h2d_bytes += self.chunk_nbytes[chunk]
-        self._point(chunk, buffer)
+        self._point(chunk, where)
 
     def _fetch(self, chunk: int, pin: bool, distance: float | None = None) -> None:
         if chunk in self.resident:
             if chunk in self.stale:
                 self.stale.discard(chunk)
-                self._copy_in(chunk, self.resident[chunk], self._idle, "resident")
+                self._copy_in(chunk, RESIDENT, self._idle)
         elif chunk not in self.slot_of:
             slot = self._slot_for(chunk, distance)
             if slot is None:
@@ -316,7 +343,7 @@ class Streamer:
                 )
             self.holder[slot] = chunk
             self.slot_of[chunk] = slot
-            self._copy_in(chunk, self.slots[slot][: self.chunk_nbytes[chunk]], self.released[slot], slot)
+            self._copy_in(chunk, slot, self.released[slot])
         if pin:
             self.pins[chunk] = self.pins.get(chunk, 0) + 1
             event = self.fetched.pop(chunk, None)
@@ -348,8 +375,8 @@ class Streamer:
         for chunk in list(self.slot_of):
             self._evict(chunk)
         self.released = [self._idle] * len(self.slots)
-        for c, buffer in self.resident.items():
-            self._point(c, self.host[c])
+        for c in self.resident:
+            self._point(c, HOST)
             self.stale.add(c)
             self.fetched.pop(c, None)
         self.pins.clear()

@@ -11,12 +11,17 @@ so the same ordering logic runs on CUDA and on the CPU standing in for the devic
 - ``copy_out(dst, src, after)``: device gradient -> host buffer on the gradient stream after
   ``after``; ``src`` is kept from reuse until the copy is done.
 - ``synchronize(event)``: the host waits for ``event``.
+- ``resident_buffer(host)``: the device memory of a chunk kept on the device for the whole run.
 
 :class:`CudaStreams`: two side streams (H2D, D2H) and ``torch.cuda.Event`` s. :class:`HostStreams`:
 the host thread is the compute stream; copies are synchronous and events complete at once, unless
 ``copy_delay`` is set: then copies run in order on one background thread that sleeps that long
 before each copy (a slow copy stream), so a use that does not wait for its fetch reads stale
-memory. Both can keep a log of what they did (``log``: a list, or ``None``), in issue order.
+memory; once that thread runs, every later copy goes through it, in issue order. A resident
+chunk's device memory on the CPU is its host chunk itself (the CPU reads it where it is), so its
+fetch is a copy of memory onto itself: issued, ordered and counted like any other (its event, the
+wait for it, ``h2d_bytes``), but no bytes move. Both can keep a log of what they did (``log``: a
+list, or ``None``), in issue order.
 Called from the main thread and from autograd's threads, one at a time. Nothing here imports
 Lightning.
 """
@@ -38,22 +43,24 @@ _ids = itertools.count(1)
 class HostEvent:
     """An event of :class:`HostStreams`: set when the work before it is done."""
 
-    __slots__ = ("id", "_done")
+    __slots__ = ("id", "_pending")
 
     def __init__(self, done: bool) -> None:
         self.id = next(_ids)
-        self._done = threading.Event()
-        if done:
-            self._done.set()
+        # Most events are complete when made (the host thread's own work, synchronous copies):
+        # only one a background copy sets needs a ``threading.Event`` to wait on.
+        self._pending: Optional[threading.Event] = None if done else threading.Event()
 
     def set(self) -> None:
-        self._done.set()
+        if self._pending is not None:
+            self._pending.set()
 
     def wait(self) -> None:
-        self._done.wait()
+        if self._pending is not None:
+            self._pending.wait()
 
     def query(self) -> bool:
-        return self._done.is_set()
+        return self._pending is None or self._pending.is_set()
 
 
 class HostStreams:
@@ -69,11 +76,17 @@ class HostStreams:
         if self.log is not None:
             self.log.append(entry)
 
-    def _run(self, copy: Callable[[], None], after: Optional[HostEvent]) -> HostEvent:
-        if self.copy_delay <= 0:
+    def _run(self, dst: torch.Tensor, src: torch.Tensor, after: Optional[HostEvent]) -> HostEvent:
+        # Source and destination the same memory (a resident chunk: see the module docstring):
+        # nothing to move, but the copy keeps its place in the order (waits, event, delay).
+        same = dst.data_ptr() == src.data_ptr()
+        # Once copies went to the background thread they all do: copies stay in issue order (a
+        # later event done means every earlier copy is, as on a CUDA stream).
+        if self.copy_delay <= 0 and self._jobs is None:
             if after is not None:
                 after.wait()
-            copy()
+            if not same:
+                dst.copy_(src)
             return HostEvent(done=True)
         event = HostEvent(done=False)
         delay = self.copy_delay
@@ -82,8 +95,10 @@ class HostStreams:
             try:
                 if after is not None:
                     after.wait()
-                time.sleep(delay)
-                copy()
+                if delay > 0:
+                    time.sleep(delay)
+                if not same:
+                    dst.copy_(src)  # the job holds ``src`` until it is copied
             finally:
                 event.set()  # a failed copy still wakes its waiters (they read wrong data: tests see it)
 
@@ -95,14 +110,18 @@ class HostStreams:
         return event
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor, after: Optional[HostEvent], label: Any = None) -> HostEvent:
-        event = self._run(lambda: dst.copy_(src), after)
+        event = self._run(dst, src, after)
         self._note("copy_in", event.id, getattr(after, "id", None), label)
         return event
 
     def copy_out(self, dst: torch.Tensor, src: torch.Tensor, after: Optional[HostEvent], label: Any = None) -> HostEvent:
-        event = self._run(lambda: dst.copy_(src), after)  # the job holds ``src`` until it is copied
+        event = self._run(dst, src, after)
         self._note("copy_out", event.id, getattr(after, "id", None), label)
         return event
+
+    def resident_buffer(self, host: torch.Tensor) -> torch.Tensor:
+        """The host chunk itself: a fetch into it moves no bytes (see the module docstring)."""
+        return host
 
     def record(self, label: Any = None) -> HostEvent:
         event = HostEvent(done=True)  # the host thread is the compute stream: its work is done
@@ -178,6 +197,10 @@ class CudaStreams:
         event = self._copy(self.d2h, dst, src, after)
         self._note("copy_out", id(event), id(after) if after is not None else None, label)
         return event
+
+    def resident_buffer(self, host: torch.Tensor) -> torch.Tensor:
+        """Device memory of ``host``'s size, filled by the fetches."""
+        return torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
 
     def record(self, label: Any = None) -> Any:
         event = torch.cuda.Event()

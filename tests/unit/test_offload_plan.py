@@ -89,6 +89,29 @@ def test_host_chunks_hold_the_parameters_and_slots_are_reused():
     assert streamer.h2d_bytes == 256
 
 
+def test_a_resident_chunk_on_the_cpu_is_its_host_chunk_and_its_refills_stay_ordered_and_counted():
+    layers = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+    params = [p for layer in layers for p in layer.parameters()]
+    streams = HostStreams()
+    streams.copy_delay = 0.01  # each refill completes late: its use must wait for it
+    streams.log = []
+    # Layer b is in no unit: its chunk is resident (read outside the hooks, refilled before each step).
+    streamer = Streamer([("a", layers[0])], params, 128, 300, 0, torch.device("cpu"), streams)
+    assert streamer.plan.resident == frozenset({1})
+    assert streamer.resident[1].data_ptr() == streamer.host[1].data_ptr()  # no memory of its own
+    for _ in range(2):
+        streamer.refresh_unhooked()
+        assert layers[1].weight.data_ptr() == streamer.host[1].data_ptr()
+        streamer.release_all()  # after a backward: the next use refills it
+    assert streamer.h2d_bytes == 2 * 128  # what a device copies, though no bytes moved here
+    copies = [e for e in streams.log if e[0] == "copy_in"]
+    idle = [e[1] for e in streams.log if e[0] == "record" and e[2] == ("idle",)]
+    assert [e[3] for e in copies] == [("fetch", 1, "resident")] * 2
+    assert copies[1][2] == idle[0]  # the second refill waits for the release after the first use
+    assert [e[1] for e in streams.log if e[0] == "wait"] == [e[1] for e in copies]  # each use waits
+    streams.close()
+
+
 def test_a_saved_view_of_a_slot_survives_the_slot_being_reused():
     layers, streamer = two_layers()
     expected = layers[0].weight.detach().t().clone()
