@@ -59,9 +59,15 @@ from lightning_ckpt.offload.gradients import HostGrads
 from lightning_ckpt.offload.materialize import materialize_parameter
 from lightning_ckpt.offload.placement import OffloadPlan, Unit, plan_offload
 from lightning_ckpt.offload.streams import Streams
-from lightning_ckpt.staging import StagingPool
+from lightning_ckpt.staging import StagingPool, pin_pieces
+from lightning_ckpt.staging import aligned as page_aligned
 
-ALIGN = 64  # bytes; every slot and chunk offset is a multiple (any dtype views it)
+# Bytes; every slot and parameter offset is a multiple, so any dtype views it. On CUDA a
+# parameter's address is as aligned as the caching allocator's (cuBLAS picks kernels by pointer
+# alignment: a less aligned view could run another kernel than the same tensor resident, with
+# other last bits).
+ALIGN = 64
+CUDA_ALIGN = 256
 HOST, RESIDENT = -1, -2  # where a chunk's memory is, besides a slot (its index)
 
 
@@ -134,11 +140,12 @@ class Streamer:
         the meta device gets its place there, zeroed)."""
         self.params = params
         self._views: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}  # see ``_place``
-        entries = [(0, aligned(p.numel() * p.element_size()), p.dtype) for p in params]
+        align = CUDA_ALIGN if self.device.type == "cuda" else ALIGN
+        entries = [(0, aligned(p.numel() * p.element_size(), align), p.dtype) for p in params]
         layout = plan_chunks(entries, self._chunk_bytes_arg)
         self.specs = layout.chunks
         # plan_chunks packs elements; each element here is a byte (sizes and offsets are bytes,
-        # each parameter padded to ALIGN so every dtype views its place).
+        # each parameter padded to ``align``).
         self.chunk_nbytes = [spec.numel for spec in layout.chunks]
         self.chunk_of: dict[int, int] = {}
         places = [(0, 0)] * len(params)
@@ -150,12 +157,15 @@ class Streamer:
         # the staging pool's kind, page-locked on CUDA with cudaHostRegister (torch's pinned
         # allocator would round each chunk up to a power of two). No parameter is ever the whole
         # of its storage, so ChunkedAdamW leaves it here (it moves only those owning their memory).
+        # Regions start at page boundaries and the pool is page-locked in pieces that end at region
+        # ends: no copy of a region spans two cudaHostRegister ranges.
         sizes = [*self.chunk_nbytes, *(self.chunk_nbytes[c] for c in graded)]
         starts = [0]
         for n in sizes:
-            starts.append(starts[-1] + aligned(n))
+            starts.append(starts[-1] + page_aligned(n))
         old_pool, self._pool = self._pool, StagingPool()
-        self._pool.reserve(max(starts[-1], ALIGN), pin=self.device.type == "cuda")
+        nbytes = max(starts[-1], ALIGN)
+        self._pool.reserve(nbytes, pin=self.device.type == "cuda", pieces=pin_pieces(starts[1:], nbytes))
         self._pool.wait_writable(starts[-1])
         memory = torch.frombuffer(self._pool.buffer, dtype=torch.uint8)
         regions = [memory[start : start + n] for start, n in zip(starts, sizes)]
@@ -586,8 +596,8 @@ class Streamer:
         }
 
 
-def aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def aligned(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
 
 
 def unique(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:

@@ -28,6 +28,7 @@ Lightning.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import queue
 import threading
@@ -139,7 +140,7 @@ class HostStreams:
         """The device allocator's peak, where there is one."""
         return None
 
-    def reset_peak(self) -> None:
+    def reset_peak(self, held: int = 0) -> None:
         pass
 
     def close(self) -> None:
@@ -220,9 +221,13 @@ class CudaStreams:
         model, an earlier run): the device memory of this run."""
         return torch.cuda.max_memory_allocated(self.device) - self._baseline
 
-    def reset_peak(self) -> None:
+    def reset_peak(self, held: int = 0) -> None:
+        """The peak counts from here. ``held``: bytes already on the device that belong to this
+        run (the model's tensors there): counted, not part of the baseline. Garbage of an earlier
+        run is collected first: freed later, it would hide this run's memory from the peak."""
+        gc.collect()
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._baseline = torch.cuda.memory_allocated(self.device)
+        self._baseline = torch.cuda.memory_allocated(self.device) - held
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)

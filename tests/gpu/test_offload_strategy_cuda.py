@@ -203,3 +203,17 @@ def test_fp16_mixed_scales_the_host_gradients_equal_to_the_default_strategy():
     stats = strategy.memory_stats()
     assert stats["peak_device_bytes"] <= stats["device_memory_budget"] and stats["streamed_chunks"] > 0
 
+
+
+def test_a_model_already_on_the_device_counts_in_the_peak():
+    """Built on the GPU, the model is moved into the host chunks at setup: its device memory was
+    this run's, so the peak counts it rather than hiding it in the baseline (freed, it would have
+    made every later allocation look smaller)."""
+    seed_everything(0)
+    model = Residual().cuda()
+    strategy = lc.ChunkedOffloadStrategy(device_memory_budget=2 * param_bytes() + 2 * HEADROOM, chunk_size="17MiB")
+    fit_chunked(
+        model, strategy, **trainer_kwargs(accelerator="gpu", deterministic=False, max_steps=2, enable_checkpointing=False)
+    )
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert strategy.memory_stats()["peak_device_bytes"] >= param_bytes()
