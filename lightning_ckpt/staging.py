@@ -102,10 +102,13 @@ def _populate(view: torch.Tensor, address: int, nbytes: int) -> None:
         view.zero_()  # an older kernel: writing every page faults it in as well
 
 
-def pin_pieces(ends: Sequence[int], nbytes: int) -> list[int]:
+def pin_pieces(ends: Sequence[int], nbytes: int, page: int = mmap.PAGESIZE) -> list[int]:
     """Registration pieces (their end offsets) for a pool whose owner copies whole ranges ending at
-    ``ends`` (ascending multiples of ALIGN): each piece ends at one of them, so no copy spans two
-    registrations, and holds up to ``PIN_CHUNK`` bytes (a longer range is one piece of its own)."""
+    ``ends`` (ascending): each piece ends at one of them, so no copy spans two registrations, and
+    holds up to ``PIN_CHUNK`` bytes (a longer range is one piece of its own). Only ends on a
+    ``page`` boundary end pieces (two registrations may not share a page: on 64 KiB-page hosts a
+    4096-aligned end may be inside one); the others' ranges share a piece with the next."""
+    ends = [end for end in ends if end % page == 0 or end >= nbytes]
     pieces: list[int] = []
     start = 0
     for end, following in zip(ends, [*ends[1:], None]):

@@ -54,20 +54,13 @@ from typing import Any, Optional
 import torch
 
 from lightning_ckpt.offload.adamw import ChunkedAdamW
-from lightning_ckpt.offload.chunks import plan_chunks
+from lightning_ckpt.offload.layout import host_layout
 from lightning_ckpt.offload.gradients import HostGrads
 from lightning_ckpt.offload.materialize import materialize_parameter
 from lightning_ckpt.offload.placement import OffloadPlan, Unit, plan_offload
 from lightning_ckpt.offload.streams import Streams
-from lightning_ckpt.staging import StagingPool, pin_pieces
-from lightning_ckpt.staging import aligned as page_aligned
+from lightning_ckpt.staging import StagingPool
 
-# Bytes; every slot and parameter offset is a multiple, so any dtype views it. On CUDA a
-# parameter's address is as aligned as the caching allocator's (cuBLAS picks kernels by pointer
-# alignment: a less aligned view could run another kernel than the same tensor resident, with
-# other last bits).
-ALIGN = 64
-CUDA_ALIGN = 256
 HOST, RESIDENT = -1, -2  # where a chunk's memory is, besides a slot (its index)
 
 
@@ -137,52 +130,30 @@ class Streamer:
 
     def _pack(self, params: list[torch.nn.Parameter]) -> None:
         """Move every parameter's data into host chunks, in the order of ``params`` (a parameter on
-        the meta device gets its place there, zeroed)."""
+        the meta device gets its place there, zeroed). No parameter is ever the whole of its
+        storage, so ChunkedAdamW leaves it here (it moves only those owning their memory)."""
         self.params = params
         self._views: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}  # see ``_place``
-        align = CUDA_ALIGN if self.device.type == "cuda" else ALIGN
-        entries = [(0, aligned(p.numel() * p.element_size(), align), p.dtype) for p in params]
-        layout = plan_chunks(entries, self._chunk_bytes_arg)
-        self.specs = layout.chunks
-        # plan_chunks packs elements; each element here is a byte (sizes and offsets are bytes,
-        # each parameter padded to ``align``).
-        self.chunk_nbytes = [spec.numel for spec in layout.chunks]
+        self.layout = layout = host_layout(params, self._chunk_bytes_arg, self.device)
+        self.specs = layout.specs
+        self.chunk_nbytes = layout.chunk_nbytes
         self.chunk_of: dict[int, int] = {}
-        places = [(0, 0)] * len(params)
-        for spec in layout.chunks:
-            for slot in spec.slots:
-                places[slot.param] = (spec.index, slot.offset)
-        graded = sorted({c for p, (c, _) in zip(params, places) if p.requires_grad})
-        # Host chunks, then the gradient buffers of the chunks that get gradients: one buffer of
-        # the staging pool's kind, page-locked on CUDA with cudaHostRegister (torch's pinned
-        # allocator would round each chunk up to a power of two). No parameter is ever the whole
-        # of its storage, so ChunkedAdamW leaves it here (it moves only those owning their memory).
-        # Regions start at page boundaries and the pool is page-locked in pieces that end at region
-        # ends: no copy of a region spans two cudaHostRegister ranges.
-        sizes = [*self.chunk_nbytes, *(self.chunk_nbytes[c] for c in graded)]
-        starts = [0]
-        for n in sizes:
-            starts.append(starts[-1] + page_aligned(n))
-        old_pool, self._pool = self._pool, StagingPool()
-        nbytes = max(starts[-1], ALIGN)
-        self._pool.reserve(nbytes, pin=self.device.type == "cuda", pieces=pin_pieces(starts[1:], nbytes))
-        self._pool.wait_writable(starts[-1])
-        memory = torch.frombuffer(self._pool.buffer, dtype=torch.uint8)
-        regions = [memory[start : start + n] for start, n in zip(starts, sizes)]
-        self.host = regions[: len(self.chunk_nbytes)]
-        grad_buffers = dict(zip(graded, regions[len(self.chunk_nbytes) :]))
+        old_pool, self._pool = self._pool, layout.pool
+        self.host = layout.host
         with torch.no_grad():
-            for spec in layout.chunks:
+            for spec in layout.specs:
                 for slot in spec.slots:
                     p = params[slot.param]
                     self.chunk_of[id(p)] = spec.index
-                    view = self._view(self.host[spec.index], slot.offset, p)
+                    view = layout.view(self.host[spec.index], slot.offset, p)
                     if p.is_meta:  # no values yet: zeroed in its chunk, initialized by the strategy
                         materialize_parameter(p, view)
                     else:
                         view.copy_(p.detach())
                         p.data = view
-        old, self.grads = self.grads, HostGrads(self.streams, params, places, grad_buffers, pin=self.device.type == "cuda")
+        old, self.grads = self.grads, HostGrads(
+            self.streams, params, layout.places, layout.grad_buffers, pin=self.device.type == "cuda"
+        )
         if old is not None:
             self.grads.adopt(old)
             self.d2h_bytes += old.d2h_bytes
@@ -197,11 +168,6 @@ class Streamer:
             for c in self.units[u].chunks:
                 self._uses[c].append(i)
 
-    @staticmethod
-    def _view(buffer: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
-        n = p.numel() * p.element_size()
-        return buffer[offset : offset + n].view(p.dtype).view(p.shape)
-
     def _place(self, chunk: int, where: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The memory of ``chunk`` at ``where`` (``HOST``, ``RESIDENT`` or a slot index) and its
         parameters' views of it."""
@@ -215,7 +181,7 @@ class Streamer:
                 buffer = self.resident[chunk]
             else:
                 buffer = self.slots[where][: self.chunk_nbytes[chunk]]
-            views = [self._view(buffer, slot.offset, self.params[slot.param]) for slot in self.specs[chunk].slots]
+            views = [self.layout.view(buffer, slot.offset, self.params[slot.param]) for slot in self.specs[chunk].slots]
             place = self._views[(chunk, where)] = (buffer, views)
         return place
 
@@ -515,7 +481,13 @@ class Streamer:
                 return t  # a resident or host chunk: it does not move while the graph waits
             slot = self._slot_by_ptr.get(ptr)
             if slot is not None and self.holder[slot] is not None:
-                return ("view", self.holder[slot], t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+                chunk = self.holder[slot]
+                # Bytes into the chunk, then into the parameter holding them: the pack names the
+                # parameter, not the chunk's index or place (both change when the warm-up re-lays
+                # the chunks out; the chunk may be resident by the time the backward reads it).
+                at = t.storage_offset() * t.element_size() - self.slots[slot].storage_offset()
+                param, in_param = self.layout.param_at(chunk, at)
+                return ("view", param, t.dtype, tuple(t.shape), t.stride(), in_param)
         return _Activations(t, self)
 
     def unpack_saved(self, packed: Any) -> torch.Tensor:
@@ -523,15 +495,19 @@ class Streamer:
             return packed
         if isinstance(packed, _Activations):
             return packed.tensor
-        kind = packed[0]
-        chunk = self.chunk_of[id(packed[1])] if kind == "param" else packed[1]
+        kind, param = packed[0], packed[1]
+        chunk, in_chunk = self.layout.place_of(param)
         self._fetch(chunk, pin=True)
         self._backward_pins.append(chunk)
         if kind == "param":
-            return packed[1]
-        _, _, dtype, shape, stride, offset = packed
+            return param
+        _, _, dtype, shape, stride, in_param = packed
         base = self.slots[self.slot_of[chunk]] if chunk in self.slot_of else self.resident[chunk]
-        return torch.as_strided(base.view(dtype), shape, stride, offset)
+        # ``as_strided`` takes a storage offset, and ``base`` may start inside its storage (on the
+        # CPU a resident chunk is a region of the host pool).
+        at = base.storage_offset() + in_chunk + in_param
+        assert at % dtype.itemsize == 0, "views of a chunk are aligned to their dtype"
+        return torch.as_strided(base.view(dtype), shape, stride, at // dtype.itemsize)
 
     def _activation_change(self, nbytes: int) -> None:
         self._live_activations += nbytes
@@ -594,10 +570,6 @@ class Streamer:
             "h2d_bytes": self.h2d_bytes,
             "d2h_bytes": self.d2h_bytes + self.grads.d2h_bytes,
         }
-
-
-def aligned(n: int, align: int = ALIGN) -> int:
-    return (n + align - 1) // align * align
 
 
 def unique(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:

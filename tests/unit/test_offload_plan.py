@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -245,3 +246,77 @@ def test_the_host_gradients_scaler_keeps_the_scalers_state_and_results():
         a, b = run(plain, poison), run(host, poison)
         assert torch.equal(a[0], b[0]) and a[1] == b[1]
         assert host.state_dict() == plain.state_dict()
+
+
+def _two_backwards(order: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Two 4x4 linears used in ``order``; one graph, two backwards (retain_graph) around the
+    warm-up's end (as two ``manual_backward`` calls of one loss in the first training step)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+    reference = copy.deepcopy(layers)
+    x = torch.randn(2, 4)
+
+    # Reference: plain autograd, gradients of the two backwards accumulated.
+    h = x
+    for i in order:
+        h = reference[i](h)
+    loss = h.pow(2).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+
+    params = [p for layer in layers for p in layer.parameters()]
+    # 128-byte chunk per layer; warm-up: one slot; after it everything fits (resident).
+    streamer = Streamer([("a", layers[0]), ("b", layers[1])], params, 128, 100_000, 0, torch.device("cpu"), HostStreams())
+    assert streamer.warming_up and streamer.plan.slots >= 1 and not streamer.plan.resident
+    with torch.autograd.graph.saved_tensors_hooks(streamer.pack_saved, streamer.unpack_saved):
+        h = x
+        for i in order:
+            h = layers[i](h)
+        loss = h.pow(2).sum()
+    streamer.begin_backward()
+    loss.backward(retain_graph=True)
+    streamer.end_backward()  # warm-up over: repacked, re-planned
+    assert not streamer.warming_up
+    streamer.begin_backward()
+    loss.backward()
+    streamer.end_backward()
+    got = [p.grad for layer in layers for p in layer.parameters()]
+    want = [p.grad for layer in reference for p in layer.parameters()]
+    return got, want
+
+
+def test_second_backward_after_the_warm_up_relayout_same_order():
+    """A saved view of a slot, read by a backward after the warm-up made its chunk resident: on the
+    CPU the resident chunk is a region of the host pool, at a storage offset of its own."""
+    got, want = _two_backwards([0, 1])
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w), (g, w)
+
+
+def test_second_backward_after_the_warm_up_relayout_reversed_order():
+    """The forward uses the layers in reverse: the warm-up's re-layout renumbers the chunks, and a
+    saved view still reads its own parameter's bytes."""
+    got, want = _two_backwards([1, 0])
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w), (g, w)
+
+
+def test_host_grads_one_wait_covers_every_copy_even_when_the_thread_starts_mid_backward():
+    from lightning_ckpt.offload.gradients import HostGrads
+
+    ps = [torch.nn.Parameter(torch.zeros(16)) for _ in range(3)]
+    buffer = torch.zeros(3 * 64, dtype=torch.uint8)
+    streams = HostStreams()
+    grads = HostGrads(streams, ps, [(0, 0), (0, 64), (0, 128)], {0: buffer}, pin=False)
+    grads.begin()
+    for k, p in enumerate(ps):
+        if k == 1:
+            streams.copy_delay = 0.05  # the copy thread starts here; later copies are slow
+        if k == 2:
+            streams.copy_delay = 0.0  # would a later copy go synchronous and finish first?
+        p.grad = torch.full((16,), float(k + 1))
+        grads.arrive(p)
+    grads.finish()
+    for k, p in enumerate(ps):
+        assert torch.equal(p.grad, torch.full((16,), float(k + 1))), k
+    streams.close()

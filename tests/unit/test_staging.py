@@ -61,10 +61,61 @@ def test_pin_pieces_end_at_range_ends_and_stay_within_a_registration_chunk():
     for _ in range(200):
         sizes = [ALIGN * rng.choice([1, 7, 4096, 30_000, 65_536, 100_000, 200_000]) for _ in range(rng.randint(1, 40))]
         ends = list(itertools.accumulate(sizes))
-        pieces = pin_pieces(ends, ends[-1])
+        page = rng.choice([ALIGN, 16 * ALIGN])  # 4 KiB and 64 KiB pages
+        pieces = pin_pieces(ends, ends[-1], page)
         assert pieces == sorted(set(pieces)) and pieces[-1] == ends[-1]
         assert set(pieces) <= set(ends)
+        assert all(end % page == 0 for end in pieces[:-1])  # no page is in two registrations
+        bounds = [e for e in ends if e % page == 0]
         for start, end in zip([0, *pieces], pieces):
-            inside = [e for e in ends if start < e <= end]
-            assert end - start <= PIN_CHUNK or len(inside) == 1, (start, end)
+            inside = [e for e in bounds if start < e < end]
+            assert end - start <= PIN_CHUNK or not inside, (start, end)
     assert pin_pieces([], 4096) == [4096]
+
+
+def test_preparer_registers_the_given_pieces_and_ready_is_a_registered_prefix(monkeypatch):
+    """_Preparer's registration logic with a fake cudart (no CUDA here): every piece registered
+    once, in order, exactly as given; ``ready`` never runs ahead of what is registered."""
+    import ctypes
+    import threading
+
+    from lightning_ckpt import staging
+
+    calls: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    class FakeCudart:
+        def cudaHostRegister(self, address, n, flags):
+            with lock:
+                calls.append((address, n))
+            return 0
+
+        def cudaHostUnregister(self, address):
+            return 0
+
+    chunk = 64 * 1024
+    monkeypatch.setattr(staging, "PIN_CHUNK", chunk)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    rng = random.Random(1)
+    for trial in range(30):
+        sizes = [4096 * rng.choice([1, 3, 7, 16, 40]) for _ in range(rng.randint(1, 30))]
+        ends = list(itertools.accumulate(sizes))
+        nbytes = ends[-1]
+        pieces = staging.pin_pieces(ends, nbytes)
+        calls.clear()
+        pool = staging.StagingPool()
+        pool.reserve(nbytes, pin=True, pieces=pieces)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(pool.buffer))
+        for end in ends:
+            pool.wait_writable(end)
+            with lock:
+                registered = sum(n for _, n in calls)
+            assert registered >= end, (trial, end, registered)
+        pool._preparer._thread.join()
+        starts = [0, *pieces[:-1]]
+        assert calls == [(base + s, e - s) for s, e in zip(starts, pieces)], trial
+        assert pool.pinned_bytes == nbytes
+        pool.close()
