@@ -320,19 +320,22 @@ class ChunkedAdamW(Optimizer):
                 chunk, members, steps, float(lr), float(group["betas"][0]), float(group["betas"][1]),
                 float(group["eps"]), float(group["weight_decay"]), None, grads,
             )
-            jobs.append(job)
+            if self.device.type == "cuda":
+                jobs.append(job)
+            else:  # nothing to order on a stream: the worker starts on it at once
+                chunk.done.clear()
+                self._worker.jobs.put(job)
             if chunk.synchronous or not self._overlap:
                 waits.append(chunk)
-        if self.device.type == "cuda":
+        if jobs:
             # Recorded after the loop: the copies into gradient views above (``_into_view``) are on
             # this stream too, and the worker's D2H copy waits for this event alone.
             grads_ready = torch.cuda.Event()
             grads_ready.record(torch.cuda.current_stream(self.device))
             for job in jobs:
                 job.grads_ready = grads_ready
-        for job in jobs:
-            job.chunk.done.clear()
-            self._worker.jobs.put(job)
+                job.chunk.done.clear()
+                self._worker.jobs.put(job)
         self._wait(waits)
         return loss
 
