@@ -11,6 +11,7 @@ import time
 from typing import Any, TypeGuard
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from rich.console import Console
 
@@ -111,6 +112,10 @@ class SaveRecorder:
         if self._awaiting_durable and isinstance(io, CheckpointIOFeatures):
             io.wait()  # final durability figures
         releaser.wait()  # the last trim's figures (a trim takes milliseconds)
+        if torch.cuda.is_initialized():
+            # The copy waits' timing events are on the training stream, which nothing above
+            # waited for: without this the last save's wait could stay unknown.
+            torch.cuda.synchronize()
         for record in self.monitor.finish() + self._newly_durable(trainer) + self._copy_waits_known(trainer) + self._trims_done():
             _log(trainer, record)
         if not self.monitor.records:

@@ -300,6 +300,8 @@ class AsyncSaver:
 
 
     def drain_when_landed(self, pending: Pending) -> None:
+        if pending.copies.device is not None:
+            torch.cuda.set_device(pending.copies.device)  # see ``Copies.device``
         pending.copies.wait()
         with self.lock:
             if self.pending is pending:
@@ -376,7 +378,7 @@ class AsyncSaver:
                 f"A shard of {largest} bytes does not fit `staging_pool_size` ({cap} bytes). Raise"
                 " `staging_pool_size` or lower `max_shard_size`."
             )
-        self.pool.reserve(cap, pin=bool(to_stage.cuda_devices()))
+        self.pool.reserve(cap, pin=bool(staging.one_device(to_stage)))
         ring = staging.Ring(cap)
         job_id: int | None = None
         try:
@@ -406,6 +408,7 @@ class AsyncSaver:
             # Interrupted mid-job (Ctrl-C, a device error, the writer's own failure raised
             # above): the writer may wait for shards that will never come. End it; its job fails
             # and nothing is committed.
+            self.pool.discard_copies()
             self.worker.abort()
             raise
 

@@ -102,6 +102,20 @@ def _populate(view: torch.Tensor, address: int, nbytes: int) -> None:
         view.zero_()  # an older kernel: writing every page faults it in as well
 
 
+def one_device(plan: Plan) -> torch.device | None:
+    """The one CUDA device ``plan``'s tensors live on (``None``: host memory only). A pool has one
+    side stream and one event per save: a copy from another device would run on that device's
+    training stream, and the writer could read its bytes before they land. So more is refused."""
+    devices = plan.cuda_devices()
+    if len(devices) > 1:
+        raise ValueError(
+            f"an async save of tensors on more than one CUDA device in one process ({sorted(map(str, devices))})"
+            " is not supported: save with `ShardedCheckpointIO(async_save=False)`, or keep each process's"
+            " state on one device."
+        )
+    return next(iter(devices), None)
+
+
 def pin_pieces(ends: Sequence[int], nbytes: int, page: int = mmap.PAGESIZE) -> list[int]:
     """Registration pieces (their end offsets) for a pool whose owner copies whole ranges ending at
     ``ends`` (ascending): each piece ends at one of them, so no copy spans two registrations, and
@@ -230,6 +244,12 @@ class Copies:
         self._handed = False
         self._device = device  # the copied tensors' device, whose training stream waits for them
 
+    @property
+    def device(self) -> torch.device | None:
+        """The CUDA device of the copies: a thread that waits for them sets it first (a new
+        thread's is device 0, whose context it would otherwise open on every rank of the node)."""
+        return self._device
+
     def hand_over(self) -> None:
         """Idempotent; a no-op once the copies have landed."""
         if self._handed:
@@ -302,6 +322,10 @@ class DeferredCopies(Copies):
         # Not Copies.__init__: the device side, if any, is a Copies of its own.
         self._sources = sources
         self._device_copies = device
+
+    @property
+    def device(self) -> torch.device | None:
+        return None if self._device_copies is None else self._device_copies.device
 
     def hand_over(self) -> None:
         if self._device_copies is not None:
@@ -402,7 +426,7 @@ class StagingPool:
         copy is outstanding (the pool holds every byte).
         """
         self._claimed = []
-        self.reserve(max(image_layout.nbytes, ALIGN), pin=bool(plan.cuda_devices()))
+        self.reserve(max(image_layout.nbytes, ALIGN), pin=bool(one_device(plan)))
         later: list[tuple[Blob, int]] = []
         try:
             for shard in plan.shards:
@@ -414,6 +438,7 @@ class StagingPool:
             claimed, self._claimed = self._claimed, []
             for source in claimed:
                 source.flush()
+            self.discard_copies()
             raise
         early_wait = None
         if later and self._queued:  # buffers and the like first: the forward may update them
@@ -499,6 +524,16 @@ class StagingPool:
         anything is written to it (its fallback zero-fills)."""
         assert self._preparer is not None
         self._preparer.wait_for(min(end, self.nbytes))
+
+    def discard_copies(self) -> None:
+        """A stage failed midway: let the device copies it queued finish, untracked. Invariant: no
+        copy outlives its save. Left running, one would land over the next save's bytes (or in a
+        pool already released), and the next save's copies would skip their wait for the training
+        stream (``_queued``), reading parameters before the last step's kernels wrote them."""
+        if self._queued:
+            assert self._stream is not None
+            self._stream.synchronize()
+            self._queued = False
 
     def copies(self, early_wait: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> Copies | None:
         """The device copies queued since the last call (``None`` if none)."""

@@ -29,6 +29,7 @@ device only after ``wait_for`` its parameters. A parameter that views a larger b
 moved into the arena.
 """
 
+import contextlib
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -539,4 +540,7 @@ def _shutdown(
         p = ref()
         if p is not None and arena.holds(p):
             p.data = p.detach().clone()
-    arena.close()
+    # Any thread may collect the optimizer: unregistering the page-locked arena on another
+    # thread's current device (0 by default) would open a context there.
+    with torch.cuda.device(stepper.device) if stepper.cuda else contextlib.nullcontext():
+        arena.close()

@@ -163,6 +163,10 @@ class Stepper:
         with torch.no_grad():
             if self.cuda:
                 with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
+                    # After the step's gradients (and, through the training stream's order, a
+                    # pending save's copies of these parameters): a chunk another rank owns
+                    # arrives by broadcast, with no device wait of its own before this write.
+                    self.h2d.wait_event(job.grads_ready)
                     flat = self.device_master[: c.spec.numel]
                     flat.copy_(source, non_blocking=True)
                     for i in job.members:

@@ -260,3 +260,39 @@ def test_trainer_async_saves_with_overlapped_copies_hold_the_state_of_their_step
             assert torch.equal(saved[key], value), (step, key)
     records = callback.save_records
     assert all(isinstance(r["copy_wait_s"], float) and r["durable_s"] >= r["call_s"] for r in records)
+
+
+def test_a_stage_that_fails_midway_leaves_no_copy_running_and_the_next_save_is_exact(tmp_path, monkeypatch):
+    """Copies queued before the failure are finished with it: none lands over the next save's bytes,
+    and the next save's copies wait for the training stream again."""
+    from lightning_ckpt import staging
+
+    model, optimizer = _bn_model()
+    io = lc.ShardedCheckpointIO(async_save=True, max_shard_size="64KB")  # several shards
+    stage_shard = staging.StagingPool.stage_shard
+    calls = []
+
+    def failing_after_the_first(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected staging failure")
+        return stage_shard(self, *args, **kwargs)
+
+    try:
+        monkeypatch.setattr(staging.StagingPool, "stage_shard", failing_after_the_first)
+        with pytest.raises(RuntimeError, match="injected"):
+            io.save_checkpoint(_snapshot(model, optimizer), tmp_path / "failed.ckpt")
+        monkeypatch.setattr(staging.StagingPool, "stage_shard", stage_shard)
+        assert not io.async_saver.pool._queued
+        torch.cuda._sleep(100_000_000)  # the training stream lags: the next copies must wait for it
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(3.0)
+        state = _snapshot(model, optimizer)
+        expected = _host_copy(state)
+        io.save_checkpoint(state, tmp_path / "gpu.ckpt")
+        io.wait()
+    finally:
+        io.teardown()
+    _assert_saved(tmp_path / "gpu.ckpt", expected)
+    assert not (tmp_path / "failed.ckpt").exists()

@@ -119,3 +119,19 @@ def test_preparer_registers_the_given_pieces_and_ready_is_a_registered_prefix(mo
         assert calls == [(base + s, e - s) for s, e in zip(starts, pieces)], trial
         assert pool.pinned_bytes == nbytes
         pool.close()
+
+
+def test_async_staging_refuses_tensors_on_two_cuda_devices_with_the_fix():
+    """One side stream and one event per save cover one device: staging from two in one process
+    would let the writer read bytes not landed yet. A plan-like object stands in (the
+    check reads `cuda_devices()` only)."""
+    from lightning_ckpt.staging import one_device
+
+    class TwoDevices:
+        def cuda_devices(self) -> set[torch.device]:
+            return {torch.device("cuda", 0), torch.device("cuda", 1)}
+
+    with pytest.raises(ValueError, match=r"more than one CUDA device.*async_save=False"):
+        one_device(TwoDevices())  # type: ignore[arg-type]
+    plan = make_plan({"w": torch.ones(4)}, max_shard_size=2**20)
+    assert one_device(plan) is None
