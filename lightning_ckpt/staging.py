@@ -122,17 +122,13 @@ def pin_pieces(ends: Sequence[int], nbytes: int, page: int = mmap.PAGESIZE) -> l
     holds up to ``PIN_CHUNK`` bytes (a longer range is one piece of its own). Only ends on a
     ``page`` boundary end pieces (two registrations may not share a page: on 64 KiB-page hosts a
     4096-aligned end may be inside one); the others' ranges share a piece with the next."""
-    ends = [end for end in ends if end % page == 0 or end >= nbytes]
+    ends = [end for end in ends if end < nbytes and end % page == 0] + [nbytes]
     pieces: list[int] = []
     start = 0
     for end, following in zip(ends, [*ends[1:], None]):
-        if end >= nbytes or following is None or following - start > PIN_CHUNK:
-            pieces.append(min(end, nbytes))
+        if following is None or following - start > PIN_CHUNK:
+            pieces.append(end)
             start = end
-        if end >= nbytes:
-            break
-    if not pieces or pieces[-1] < nbytes:
-        pieces.append(nbytes)
     return pieces
 
 

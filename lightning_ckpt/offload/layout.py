@@ -44,6 +44,10 @@ class HostLayout:
         self._place_of = {id(p): place for p, place in zip(self.params, self.places)}
         self._offsets = [[slot.offset for slot in spec.slots] for spec in self.specs]
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Is ``t`` one of the parameters laid out here (the object, not a view of it)?"""
+        return id(t) in self._place_of
+
     def place_of(self, p: torch.Tensor) -> tuple[int, int]:
         """``p``'s chunk and byte offset in it."""
         return self._place_of[id(p)]

@@ -217,7 +217,11 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
         streams = streams_for(device)
         # The allocator's peak (CUDA) counts from here, the model's tensors already on the device
         # included (a model built there is moved out next: it was device memory all the same).
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers()) if t.device == device}
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in (*model.parameters(), *model.buffers())
+            if t.device == device
+        }
         streams.reset_peak(held=sum(storages.values()))
         born = meta_parameters(model)
         # Buffers are small and read anywhere: they go to the device as they are (meta ones zeroed).

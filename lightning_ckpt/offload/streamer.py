@@ -137,14 +137,12 @@ class Streamer:
         self.layout = layout = host_layout(params, self._chunk_bytes_arg, self.device)
         self.specs = layout.specs
         self.chunk_nbytes = layout.chunk_nbytes
-        self.chunk_of: dict[int, int] = {}
         old_pool, self._pool = self._pool, layout.pool
         self.host = layout.host
         with torch.no_grad():
             for spec in layout.specs:
                 for slot in spec.slots:
                     p = params[slot.param]
-                    self.chunk_of[id(p)] = spec.index
                     view = layout.view(self.host[spec.index], slot.offset, p)
                     if p.is_meta:  # no values yet: zeroed in its chunk, initialized by the strategy
                         materialize_parameter(p, view)
@@ -160,7 +158,7 @@ class Streamer:
         if old_pool is not None:
             old_pool.close()  # page-locking ends; nothing views it any longer but ``old``'s tensors
         self.units = [
-            Unit(name, tuple(sorted({self.chunk_of[id(p)] for p in ps})))
+            Unit(name, tuple(sorted({layout.place_of(p)[0] for p in ps})))
             for (name, _), ps in zip(self.unit_modules, self.unit_params)
         ]
         self._uses: list[list[int]] = [[] for _ in self.specs]  # trace positions using each chunk
@@ -472,8 +470,7 @@ class Streamer:
     # -- saved tensors ------------------------------------------------------------------------
 
     def pack_saved(self, t: torch.Tensor) -> Any:
-        chunk = self.chunk_of.get(id(t))
-        if chunk is not None:
+        if self.layout.holds(t):
             return ("param", t)
         if t.device == self.device and t.numel() > 0:
             ptr = t.untyped_storage().data_ptr()
