@@ -25,7 +25,7 @@ MODES: dict[str, tuple[str, str]] = {
     "fragmentation": ("fragmentation", "CUDA: what emptying the allocator's cache after saves does to the next steps"),
     "release": ("release", "host memory release after saves: its cost on the training thread and what it gives back"),
     "remote": ("remote", "s3:// saves and loads against a local moto S3 server: stall, durable time, upload GB/s, memory"),
-    "offload": ("offload", "ChunkedAdamW's optimizer step against torch.optim.AdamW foreach / fused and the memory-bandwidth floor"),
+    "offload": ("offload", "ChunkedAdamW's optimizer step against torch.optim.AdamW foreach / fused and the memory-bandwidth floor; --save, --strategy, --largest: its async saves, ChunkedOffloadStrategy's step, the largest model under a budget"),
     "compression": ("compression", "zstd on trained weights and AdamW state: ratio and MB/s per component, s3:// saves with and without"),
     "incremental": ("incremental", "LoRA-style and full fine-tunes: bytes written, durable time and async stall per save, incremental saves on and off"),
 }
