@@ -30,25 +30,20 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import tempfile
-import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from lightning_ckpt import manifest as fmt
+from lightning_ckpt import pinning
+from lightning_ckpt.pinning import Owned, Preparer, new_shared_fd
 from lightning_ckpt.plan import Blob, Plan, Shard
 
 ALIGN = 4096
-PIN_CHUNK = 256 * 2**20  # bytes page-locked per cudaHostRegister call (a multiple of ALIGN)
-_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch pins
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in, writable, without touching them
-_POPULATE_THREADS = min(4, max(2, (os.cpu_count() or 2) // 2))
 
 
 def aligned(n: int) -> int:
@@ -78,30 +73,6 @@ def layout(plan: Plan) -> tuple[ImageLayout, dict[str, tuple[bytes, dict[str, fm
     return ImageLayout(offset, images), headers
 
 
-def _new_shared_fd(nbytes: int) -> int:
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("lightning_ckpt-staging", os.MFD_CLOEXEC)
-    else:  # pragma: no cover - non-Linux
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        fd, name = tempfile.mkstemp(prefix="lightning_ckpt-staging-", dir=folder)
-        os.unlink(name)
-    os.ftruncate(fd, nbytes)
-    return fd
-
-
-_libc: ctypes.CDLL | None = None
-
-
-def _populate(view: torch.Tensor, address: int, nbytes: int) -> None:
-    """Fault ``nbytes`` of the pool in (kernel-side, no byte is written where the kernel can), so
-    neither ``cudaHostRegister`` nor the first copy pays for page faults. Releases the GIL."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    if _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_POPULATE_WRITE) != 0:
-        view.zero_()  # an older kernel: writing every page faults it in as well
-
-
 def one_device(plan: Plan) -> torch.device | None:
     """The one CUDA device ``plan``'s tensors live on (``None``: host memory only). A pool has one
     side stream and one event per save: a copy from another device would run on that device's
@@ -114,100 +85,6 @@ def one_device(plan: Plan) -> torch.device | None:
             " state on one device."
         )
     return next(iter(devices), None)
-
-
-def pin_pieces(ends: Sequence[int], nbytes: int, page: int = mmap.PAGESIZE) -> list[int]:
-    """Registration pieces (their end offsets) for a pool whose owner copies whole ranges ending at
-    ``ends`` (ascending): each piece ends at one of them, so no copy spans two registrations, and
-    holds up to ``PIN_CHUNK`` bytes (a longer range is one piece of its own). Only ends on a
-    ``page`` boundary end pieces (two registrations may not share a page: on 64 KiB-page hosts a
-    4096-aligned end may be inside one); the others' ranges share a piece with the next."""
-    ends = [end for end in ends if end < nbytes and end % page == 0] + [nbytes]
-    pieces: list[int] = []
-    start = 0
-    for end, following in zip(ends, [*ends[1:], None]):
-        if following is None or following - start > PIN_CHUNK:
-            pieces.append(end)
-            start = end
-    return pieces
-
-
-class _Preparer:
-    """Faults a pool's pages in and, for device copies, page-locks them: a background thread, in
-    ``PIN_CHUNK`` steps from offset 0, registering each piece (``pieces``: their end offsets;
-    default every ``PIN_CHUNK``) once faulted in. ``[0, ready)`` is done; ``wait_for`` blocks
-    until a range is.
-
-    Invariant: a piece is registered with CUDA at most once and unregistered only by ``close``.
-    """
-
-    def __init__(
-        self, view: torch.Tensor, address: int, nbytes: int, pin: bool, pieces: Sequence[int] | None = None
-    ) -> None:
-        self.ready = 0
-        self.pin = pin
-        self._pieces = list(range(PIN_CHUNK, nbytes, PIN_CHUNK)) + [nbytes] if pieces is None else list(pieces)
-        self.registered = 0  # bytes page-locked so far
-        # The caller's device (Lightning has set the rank's): a new thread's is device 0, and
-        # registering from there would open a context on GPU 0 for every rank of the node.
-        self._device = torch.cuda.current_device() if pin else None
-        self.failed = False  # a registration failed: the rest runs unpinned (slower, still correct)
-        self._chunks: list[int] = []  # addresses registered
-        self._stop = False
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(
-            target=self._run, args=(view, address, nbytes), name="lightning_ckpt-pin", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, view: torch.Tensor, address: int, nbytes: int) -> None:
-        # Faulting pages in is the slow part and scales with threads (1.7 -> 3.2 GB/s with 2 on a
-        # 2-vCPU VM); registration follows in order, so ``ready`` is always a prefix.
-        starts = deque(range(0, nbytes, PIN_CHUNK))
-        populating: deque[Future[None]] = deque()
-        pieces = deque(self._pieces)
-        offset = piece_start = 0
-        if self._device is not None:
-            torch.cuda.set_device(self._device)
-        executor = ThreadPoolExecutor(_POPULATE_THREADS, thread_name_prefix="lightning_ckpt-fault")
-        try:
-            while offset < nbytes and not self._stop:
-                while starts and len(populating) < 2 * _POPULATE_THREADS:
-                    start = starts.popleft()
-                    size = min(PIN_CHUNK, nbytes - start)
-                    populating.append(executor.submit(_populate, view[start : start + size], address + start, size))
-                populating.popleft().result()
-                offset += min(PIN_CHUNK, nbytes - offset)  # faulted in up to here
-                while pieces and pieces[0] <= offset:  # every piece faulted in whole: page-lock it
-                    end = pieces.popleft()
-                    if self.pin and not self.failed and end > piece_start:
-                        n = end - piece_start
-                        if int(torch.cuda.cudart().cudaHostRegister(address + piece_start, n, _HOST_REGISTER_PORTABLE)) == 0:
-                            self._chunks.append(address + piece_start)
-                            self.registered += n
-                        else:
-                            self.failed = True
-                    piece_start = end
-                ready = offset if not self.pin or self.failed else piece_start
-                with self._cond:
-                    self.ready = ready
-                    self._cond.notify_all()
-        finally:
-            executor.shutdown(wait=True, cancel_futures=True)  # no thread writes after this
-            with self._cond:
-                self.ready = nbytes  # done, stopped or failed: nobody waits any longer
-                self._cond.notify_all()
-
-    def wait_for(self, end: int) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self.ready >= end)
-
-    def close(self) -> None:
-        self._stop = True
-        self._thread.join()
-        for address in self._chunks:
-            torch.cuda.cudart().cudaHostUnregister(address)
-        self._chunks.clear()
 
 
 def _timed_wait(stream: torch.cuda.Stream, event: torch.cuda.Event) -> tuple[torch.cuda.Event, torch.cuda.Event]:
@@ -353,12 +230,13 @@ class StagingPool:
 
     def __init__(self, max_bytes: int | None = None) -> None:
         self.max_bytes = max_bytes
-        self.fd: int | None = None
         self.nbytes = 0
         self.generation = 0  # bumped whenever a new buffer replaces the old one
         self._map: mmap.mmap | None = None
         self._view: torch.Tensor | None = None
-        self._preparer: _Preparer | None = None
+        self._owned = Owned()
+        # Not at exit: a save in flight may still use the pool then, and the process frees it all.
+        weakref.finalize(self, self._owned.release).atexit = False
         self._stream: torch.cuda.Stream | None = None
         self._queued = False  # device copies queued since the last ``copies()``
         self._claimed: list[DeferredSource] = []  # owners of host bytes left to them by ``stage``
@@ -367,7 +245,7 @@ class StagingPool:
     def reserve(self, nbytes: int, pin: bool = False, pieces: Sequence[int] | None = None) -> None:
         """Make the pool at least ``nbytes`` large (a new buffer only when it must grow) and start
         faulting it in, and page-locking it if ``pin`` (and CUDA is there), in the background;
-        ``pieces``: the end offsets of its registrations (see :func:`pin_pieces`), for an owner
+        ``pieces``: the end offsets of its registrations (see :func:`lightning_ckpt.pinning.pin_pieces`), for an owner
         whose copies must not span two (default: every ``PIN_CHUNK``, which ``stage`` splits at)."""
         pin = pin and torch.cuda.is_available()
         if nbytes > self.nbytes or self._map is None:
@@ -377,8 +255,8 @@ class StagingPool:
                     f" ({self.max_bytes}). Raise `staging_pool_size` or save with `async_save=False`."
                 )
             self.close()
-            self.fd = _new_shared_fd(nbytes)
-            self._map = mmap.mmap(self.fd, nbytes)
+            self._owned.fd = new_shared_fd(nbytes)
+            self._map = mmap.mmap(self._owned.fd, nbytes)
             self._view = torch.frombuffer(self._map, dtype=torch.uint8)
             self.nbytes = nbytes
             self.generation += 1
@@ -387,7 +265,16 @@ class StagingPool:
                 self._preparer.close()
             address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
             assert self._view is not None
-            self._preparer = _Preparer(self._view, address, self.nbytes, pin, pieces)
+            self._owned.preparer = Preparer(self._view, address, self.nbytes, pin, pieces)
+
+    @property
+    def fd(self) -> int | None:
+        """The shared memory's descriptor (the writer process maps the pool through it)."""
+        return self._owned.fd
+
+    @property
+    def _preparer(self) -> Preparer | None:
+        return self._owned.preparer
 
     @property
     def buffer(self) -> mmap.mmap:
@@ -509,7 +396,7 @@ class StagingPool:
             source = blob.source.detach().contiguous().view(-1).view(torch.uint8)
             piece = start
             while piece < end:
-                piece_end = min(end, (piece // PIN_CHUNK + 1) * PIN_CHUNK)
+                piece_end = min(end, (piece // pinning.PIN_CHUNK + 1) * pinning.PIN_CHUNK)
                 preparer.wait_for(piece_end)
                 view[piece:piece_end].copy_(source[piece - start : piece_end - start], non_blocking=True)
                 piece = piece_end
@@ -543,18 +430,13 @@ class StagingPool:
 
     def close(self) -> None:
         """Release the buffer (the writer process drops its own mapping when told of a new one)."""
-        if self._preparer is not None:
-            self._preparer.close()
-            self._preparer = None
+        self._owned.release()
         if self._map is not None:
             # Dropped, never ``close()``d: tensors made with ``torch.frombuffer`` hold a reference
             # to the map but no buffer export, so closing it would unmap memory they still view
             # (a state dict kept after its optimizer is gone). The last reference unmaps it.
             self._view = None
             self._map = None
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
         self.nbytes = 0
 
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from lightning_ckpt.staging import StagingPool, aligned, pin_pieces, register_deferred_source
+from lightning_ckpt.pinning import pin_pieces
+from lightning_ckpt.staging import StagingPool, aligned, register_deferred_source
 
 MASTER_DTYPE = torch.float32
 _ITEM = 4  # bytes per element of the master weights and both moments

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from lightning_ckpt.offload.chunks import ChunkSpec, plan_chunks
-from lightning_ckpt.staging import StagingPool, pin_pieces
+from lightning_ckpt.pinning import pin_pieces
+from lightning_ckpt.staging import StagingPool
 from lightning_ckpt.staging import aligned as page_aligned
 
 # Bytes; every slot and parameter offset is a multiple, so any dtype views it. On CUDA a
