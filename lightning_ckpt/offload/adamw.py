@@ -510,7 +510,7 @@ class ChunkedAdamW(Optimizer):
     def host_bytes(self) -> int:
         """Bytes of the host arena: fp32 master weights and both moments (12 bytes per parameter),
         the moments alone (8) for chunks whose parameters are their own master weights
-        (``ChunkedOffloadStrategy``'s fp32 host chunks), each tensor padded to the page size."""
+        (``ChunkedOffloadStrategy``'s fp32 host chunks), each tensor padded to the staging alignment."""
         return self._arena.nbytes
 
     @property

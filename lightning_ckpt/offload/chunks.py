@@ -5,9 +5,9 @@ Parameters are packed per param group and dtype, in registration order (the orde
 larger than a chunk gets a chunk of its own (it is never split, so its gradient stays one view of
 one buffer). The host arena holds, per chunk, the fp32 master weights, ``exp_avg`` and
 ``exp_avg_sq`` as three flat tensors (the moments alone for a chunk whose parameters are their own
-master weights: :mod:`lightning_ckpt.offload.inplace`); it is one shared-memory buffer of the staging pool's kind
-(:class:`lightning_ckpt.staging.StagingPool`): allocated once, faulted in (and page-locked when the
-parameters are on CUDA) by a background thread, never reallocated.
+master weights: :mod:`lightning_ckpt.offload.inplace`); it is one shared-memory buffer of the
+staging pool's kind (:class:`lightning_ckpt.staging.StagingPool`): allocated once, faulted in (and
+page-locked when the parameters are on CUDA) by a background thread, never reallocated.
 
 An async save does not copy the arena on the training thread: the arena is a
 :class:`lightning_ckpt.staging.DeferredSource`, so the staging pool leaves the optimizer state

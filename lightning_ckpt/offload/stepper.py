@@ -80,9 +80,10 @@ class Chunk:
         and a value written from outside is what the step starts from. Main thread, while done."""
         for i in members:
             p = self.params[i]
-            if p.device.type != "cpu" or p.dtype != MASTER_DTYPE or not p.is_contiguous() or p.shape != self.exp_avg[i].shape:
+            shape = self.exp_avg[i].shape
+            if p.device.type != "cpu" or p.dtype != MASTER_DTYPE or not p.is_contiguous() or p.shape != shape:
                 raise ValueError(
-                    f"ChunkedAdamW steps this parameter (shape {tuple(self.exp_avg[i].shape)}) in place, as its fp32"
+                    f"ChunkedAdamW steps this parameter (shape {tuple(shape)}) in place, as its fp32"
                     f" master weights, but it now is a {'' if p.is_contiguous() else 'non-contiguous '}{p.dtype}"
                     f" tensor of shape {tuple(p.shape)} on {p.device}. Assign a contiguous float32 CPU tensor of its"
                     " shape to `p.data`, or write the values in place (`with torch.no_grad(): p.copy_(value)`)."

@@ -26,7 +26,8 @@ class FusedAdamWStack(Stack):
     """The same model and hyper-parameters, stepped by torch's fused AdamW."""
 
     def configure_optimizers(self):
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1, fused=True)
+        params = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
 
 
 class WriteBetweenSteps(Callback):

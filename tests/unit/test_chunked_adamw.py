@@ -60,6 +60,14 @@ def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(x, y), name
 
 
+def train_alike(net: Net, opt: ChunkedAdamW, ref: Net, ref_opt: torch.optim.Optimizer, steps: int) -> None:
+    """``steps`` of ``train`` on both pairs; the weights are then the same."""
+    train(net, opt, steps)
+    train(ref, ref_opt, steps)
+    opt.wait()
+    assert_same(net, ref)
+
+
 def test_layout_packs_per_group_and_dtype_in_order():
     layout = plan_chunks([(0, 10, torch.float32), (0, 5, torch.bfloat16), (0, 7, torch.float32), (1, 3, torch.float32), (0, 40, torch.float32)], 20)
     chunks = [(c.group, c.dtype, [s.param for s in c.slots], c.numel) for c in layout.chunks]
@@ -330,10 +338,7 @@ def test_cpu_fp32_parameters_are_their_master_weights_and_get_their_memory_back(
         assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
     ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, fused=True)
     versions = {p: p._version for p in opt._where}
-    train(net, opt, 3)
-    train(ref, ref_opt, 3)
-    opt.wait()
-    assert_same(net, ref)
+    train_alike(net, opt, ref, ref_opt, 3)
     # updated by the kernel in place, and their version counters say so (saves tell unchanged tensors by them)
     assert all(p._version > v for p, v in versions.items())
 
@@ -341,10 +346,7 @@ def test_cpu_fp32_parameters_are_their_master_weights_and_get_their_memory_back(
     with torch.no_grad():
         moved.data = moved.detach().clone()  # something points it elsewhere: written back again
     assert not opt._where[moved][0].aliased(opt._where[moved][1])
-    train(net, opt, 2)
-    train(ref, ref_opt, 2)
-    opt.wait()
-    assert_same(net, ref)
+    train_alike(net, opt, ref, ref_opt, 2)
 
     arena = opt._arena
     before = [p.detach().clone() for p in net.parameters()]
@@ -406,20 +408,14 @@ def test_parameters_in_registered_host_memory_are_their_own_master_weights():
     chunks.relay()  # the parameters change storage between two steps
     left = before.clone()
     versions = {p: p._version for p in opt._where}
-    train(net, opt, 2)
-    train(ref, ref_opt, 2)
-    opt.wait()
-    assert_same(net, ref)
+    train_alike(net, opt, ref, ref_opt, 2)
     assert all(p._version > v for p, v in versions.items())
     assert torch.equal(before, left)  # the memory the parameters left is never stepped again
     with torch.no_grad():
         for model in (net, ref):
             model.body[0].weight.fill_(0.25)
             model.body[2].bias.data = torch.full((13,), 0.5)
-    train(net, opt, 2)
-    train(ref, ref_opt, 2)
-    opt.wait()
-    assert_same(net, ref)
+    train_alike(net, opt, ref, ref_opt, 2)
     net.body[0].weight.data = torch.zeros(13, 37).t()
     net(torch.zeros(2, 3, dtype=torch.long)).backward()
     with pytest.raises(ValueError, match=r"in place.*non-contiguous torch.float32 tensor of shape \(37, 13\).*p\.copy_"):
