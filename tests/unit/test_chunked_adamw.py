@@ -332,6 +332,7 @@ def test_cpu_fp32_parameters_are_their_master_weights_and_get_their_memory_back(
     net = Net()
     ref = copy.deepcopy(net)
     opt = ChunkedAdamW(groups(net), lr=1e-2, chunk_size="1KiB")
+    assert not any(c.params_are_master for c in opt._chunks)  # the arena holds their master weights
     for p, (chunk, i) in opt._where.items():
         assert p.data_ptr() == chunk.master[i].data_ptr() and chunk.aliased(i)
         # a storage of its own over those bytes: torch.save / safetensors of it write the parameter alone
