@@ -24,9 +24,12 @@ state is no longer consistent (earlier chunks of that step were applied).
 Under ``ChunkedOffloadStrategy`` (CUDA or CPU) the parameters are views of the strategy's host
 chunks whenever the optimizer sees them (at construction and from the end of each backward), so
 this optimizer runs its CPU path: gradients arrive as host tensors (the strategy copied them out
-of the device), the write-back updates the host chunk, and the strategy fetches a chunk to the
-device only after ``wait_for`` its parameters. A parameter that views a larger buffer is never
-moved into the arena.
+of the device), and the strategy fetches a chunk to the device only after ``wait_for`` its
+parameters. The strategy registers its host chunks (:mod:`lightning_ckpt.offload.inplace`): a
+chunk whose parameters are all fp32 views of them has no master weights here (8 bytes per
+parameter, not 12); the kernel steps the parameters where they are at each ``step()`` (the
+warm-up re-lays the host chunks out) and the write-back is a version bump. bf16/fp16 parameters
+keep their fp32 master. A parameter that views a larger buffer is never moved into the arena.
 """
 
 import contextlib
@@ -39,6 +42,7 @@ from torch.optim import Optimizer
 
 from lightning_ckpt.offload.chunks import MASTER_DTYPE, HostArena, assign_owners, plan_chunks, restrict
 from lightning_ckpt.offload.hooks import ChunkWaiter, Discover, GradMover
+from lightning_ckpt.offload.inplace import steps_in_place
 from lightning_ckpt.offload.shares import owner_meshes, placed, shares_wanted
 from lightning_ckpt.offload.stepper import Chunk, Job, Stepper, Worker, slot_views, stamp
 from lightning_ckpt.plan import parse_size
@@ -183,6 +187,15 @@ class ChunkedAdamW(Optimizer):
             owners = assign_owners(layout, dist.get_world_size())
             self._meshes = owner_meshes(dist.get_world_size())  # for saves where every rank writes
             layout = restrict(layout, {i for i, owner in enumerate(owners) if owner == rank})
+        else:
+            # Chunks whose parameters are all fp32 memory an owner lets us step in place get no
+            # master weights. A chunk mixing them with others keeps its master whole: its master
+            # region is allocated anyway, and the others still need their write-back.
+            in_place = frozenset(
+                spec.index for spec in layout.chunks
+                if spec.dtype == MASTER_DTYPE and all(steps_in_place(packed[s.param][1]) for s in spec.slots)
+            )
+            layout = restrict(layout, {spec.index for spec in layout.chunks}, in_place)
         self.layout = layout
         self._arena = HostArena(layout, pin=self.device.type == "cuda")
         self._chunks: list[Chunk] = []
@@ -193,15 +206,16 @@ class ChunkedAdamW(Optimizer):
             owned = owners[spec.index] == rank
             empty = torch.empty(0, dtype=MASTER_DTYPE)
             master_flat, avg, avg_sq = self._arena.tensors(spec) if owned else (empty, empty, empty)
+            master = slot_views(spec, params, master_flat) if spec.master else [p.detach() for p in params]
             chunk = Chunk(
-                spec, params, None, [], master_flat, *(slot_views(spec, params, t) for t in (master_flat, avg, avg_sq)),
-                [None] * len(params), owners[spec.index], owned, device=self.device,
+                spec, params, None, [], master_flat, master, *(slot_views(spec, params, t) for t in (avg, avg_sq)),
+                [None] * len(params), owners[spec.index], owned, device=self.device, params_are_master=not spec.master,
             )
             self._chunks.append(chunk)
             for i, p in enumerate(params):
                 self._where[p] = (chunk, i)
                 p.register_post_accumulate_grad_hook(GradMover(weakref.ref(self)))
-                if owned and self._group is None and _may_alias(p):
+                if owned and spec.master and self._group is None and _may_alias(p):
                     self._arena.writable(spec)
                     with torch.no_grad():
                         chunk.master[i].copy_(p)
@@ -307,13 +321,16 @@ class ChunkedAdamW(Optimizer):
                 if not self._reads_in_place(p):
                     self._into_view(chunk, i)
                 grads.append(p.grad)
-                if chunk.owned and chunk.versions[i] != stamp(p) and not chunk.aliased(i):  # set from outside
+                outside = chunk.owned and chunk.versions[i] != stamp(p)  # set from outside
+                if outside and not chunk.params_are_master and not chunk.aliased(i):
                     self._arena.writable(chunk.spec)
                     chunk.master[i].copy_(p.detach())
                     chunk.versions[i] = stamp(p)
                 members.append(i)
             if not members:
                 continue
+            if chunk.params_are_master:
+                chunk.follow_params(members)
             group = self.param_groups[chunk.spec.group]
             steps = [self._state_of(chunk, i)["step"] for i in members]
             lr = group["lr"]
@@ -491,7 +508,9 @@ class ChunkedAdamW(Optimizer):
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of the host arena (fp32 master weights and both moments)."""
+        """Bytes of the host arena: fp32 master weights and both moments (12 bytes per parameter),
+        the moments alone (8) for chunks whose parameters are their own master weights
+        (``ChunkedOffloadStrategy``'s fp32 host chunks), each tensor padded to the staging alignment."""
         return self._arena.nbytes
 
     @property
@@ -503,7 +522,7 @@ def _may_alias(p: torch.Tensor) -> bool:
     """Can ``p`` become a view of its fp32 master weights in the arena? An fp32 parameter in host
     memory (the CPU standing in for the device) that is the whole of its own storage: one that
     views a larger buffer (``ChunkedOffloadStrategy``'s host chunks, a flat parameter) is managed
-    by someone else and keeps its memory."""
+    by someone else and keeps its memory (the strategy's are stepped there, without a master)."""
     nbytes = p.numel() * p.element_size()
     return (
         p.device.type == "cpu"

@@ -4,9 +4,10 @@ Parameters are packed per param group and dtype, in registration order (the orde
 ``params`` given to the optimizer), into chunks of at most ``chunk_numel`` elements. A parameter
 larger than a chunk gets a chunk of its own (it is never split, so its gradient stays one view of
 one buffer). The host arena holds, per chunk, the fp32 master weights, ``exp_avg`` and
-``exp_avg_sq`` as three flat tensors; it is one shared-memory buffer of the staging pool's kind
-(:class:`lightning_ckpt.staging.StagingPool`): allocated once, faulted in (and page-locked when the
-parameters are on CUDA) by a background thread, never reallocated.
+``exp_avg_sq`` as three flat tensors (the moments alone for a chunk whose parameters are their own
+master weights: :mod:`lightning_ckpt.offload.inplace`); it is one shared-memory buffer of the
+staging pool's kind (:class:`lightning_ckpt.staging.StagingPool`): allocated once, faulted in (and
+page-locked when the parameters are on CUDA) by a background thread, never reallocated.
 
 An async save does not copy the arena on the training thread: the arena is a
 :class:`lightning_ckpt.staging.DeferredSource`, so the staging pool leaves the optimizer state
@@ -51,22 +52,26 @@ class ChunkSpec:
     dtype: torch.dtype  # the parameters' (and their gradients') dtype
     slots: tuple[Slot, ...]
     numel: int
-    host_offset: int  # byte offset of this chunk's master weights in the arena
+    host_offset: int  # byte offset of this chunk's state (its master weights first) in the arena
+    # False: the parameters are the master weights (stepped in place: see
+    # :mod:`lightning_ckpt.offload.inplace`); the arena holds the two moments only.
+    master: bool = True
 
     def state_offsets(self) -> tuple[int, int, int]:
-        """Byte offsets of (master, exp_avg, exp_avg_sq) in the arena."""
+        """Byte offsets of (master, exp_avg, exp_avg_sq) in the arena (master -1: none)."""
         step = aligned(self.numel * _ITEM)
-        return self.host_offset, self.host_offset + step, self.host_offset + 2 * step
+        avg = self.host_offset + step if self.master else self.host_offset
+        return self.host_offset if self.master else -1, avg, avg + step
 
     @property
     def host_end(self) -> int:
-        return self.host_offset + 3 * aligned(self.numel * _ITEM)
+        return self.host_offset + (3 if self.master else 2) * aligned(self.numel * _ITEM)
 
 
 @dataclass(frozen=True, slots=True)
 class Layout:
     chunks: tuple[ChunkSpec, ...]
-    nbytes: int  # arena bytes: 12 per element, each tensor padded to the staging alignment
+    nbytes: int  # arena bytes: 12 per element (8 without master), each tensor padded to the staging alignment
 
 
 def plan_chunks(params: Sequence[tuple[int, int, torch.dtype]], chunk_numel: int) -> Layout:
@@ -119,14 +124,15 @@ def assign_owners(layout: Layout, world_size: int) -> tuple[int, ...]:
     return tuple(owners)
 
 
-def restrict(layout: Layout, keep: set[int]) -> Layout:
+def restrict(layout: Layout, keep: set[int], masterless: frozenset[int] = frozenset()) -> Layout:
     """Pure: ``layout`` with host memory for the chunks in ``keep`` only (the others get
-    ``host_offset=-1``): a rank's arena holds the state of the chunks it owns."""
+    ``host_offset=-1``): a rank's arena holds the state of the chunks it owns. The chunks in
+    ``masterless`` get no master weights (their parameters are stepped in place)."""
     offset = 0
     chunks = []
     for spec in layout.chunks:
         if spec.index in keep:
-            spec = replace(spec, host_offset=offset)
+            spec = replace(spec, host_offset=offset, master=spec.index not in masterless)
             offset = spec.host_end
         else:
             spec = replace(spec, host_offset=-1)
@@ -165,10 +171,12 @@ class HostArena:
         register_deferred_source(self)
 
     def tensors(self, spec: ChunkSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Flat fp32 (master, exp_avg, exp_avg_sq) of a chunk, viewing the arena."""
+        """Flat fp32 (master, exp_avg, exp_avg_sq) of a chunk, viewing the arena (master empty
+        for a chunk without one)."""
         n = spec.numel * _ITEM
         return tuple(  # type: ignore[return-value]
-            self._bytes[o : o + n].view(MASTER_DTYPE) for o in spec.state_offsets()
+            self._bytes[o : o + n].view(MASTER_DTYPE) if o >= 0 else torch.empty(0, dtype=MASTER_DTYPE)
+            for o in spec.state_offsets()
         )
 
     def writable(self, spec: ChunkSpec) -> None:
@@ -206,6 +214,7 @@ class HostArena:
         if offset < self._specs[i].state_offsets()[1]:
             # Master weights (the parameters themselves where they alias them): written by more
             # than ``writable``'s callers (a user's ``load_state_dict`` into the model), so copied now.
+            # A chunk without master weights starts at its ``exp_avg``: all of it is claimed.
             return False
         with self._lock:
             self._claims.setdefault(self._specs[i].index, []).append((source, destination))

@@ -28,7 +28,14 @@ def stamp(p: torch.Tensor) -> tuple[int, int]:
 @dataclass(eq=False)
 class Chunk:
     """Runtime side of a :class:`ChunkSpec`. ``done`` is set while no step of the chunk is queued
-    or running: only then may the main thread touch its state, gradients or parameters."""
+    or running: only then may the main thread touch its state, gradients or parameters.
+
+    ``params_are_master``: the parameters are fp32 host memory of an owner that lets the optimizer
+    step it (:mod:`lightning_ckpt.offload.inplace`: ``ChunkedOffloadStrategy``'s host chunks), so
+    the chunk has no master weights in the arena (``master_flat`` empty) and ``master`` views the
+    parameters themselves, re-pointed at each ``step()`` (``follow_params``): the kernel updates
+    them in place, wherever they are then.
+    """
 
     spec: ChunkSpec
     params: list[torch.Tensor]
@@ -37,8 +44,8 @@ class Chunk:
     # step reads those in place: ``ChunkedOffloadStrategy``'s host gradient buffers).
     grad_buffer: torch.Tensor | None
     grads: list[torch.Tensor]  # views of grad_buffer with the parameters' shapes (empty until then)
-    master_flat: torch.Tensor  # the chunk's fp32 master weights in the arena (empty: not owned)
-    master: list[torch.Tensor]  # views of master_flat / the moments with the parameters' shapes
+    master_flat: torch.Tensor  # the chunk's fp32 master weights in the arena (empty: not owned, or none)
+    master: list[torch.Tensor]  # views of master_flat (or the parameters) / the moments with the parameters' shapes
     exp_avg: list[torch.Tensor]
     exp_avg_sq: list[torch.Tensor]
     # each parameter's (data pointer, ``_version``) when master last matched it: an in-place write
@@ -50,6 +57,7 @@ class Chunk:
     synchronous: bool = True  # holds a parameter not seen in a module's forward: step() waits
     cuda_done: Any = None  # torch.cuda.Event after the last write-back (CUDA only)
     device: torch.device = torch.device("cpu")  # the parameters' device (of the gradient buffer)
+    params_are_master: bool = False  # see the class docstring (never on CUDA, never sharded)
 
     def __post_init__(self) -> None:
         self.done.set()
@@ -65,6 +73,22 @@ class Chunk:
         """Is parameter ``i`` a view of its master weights (CPU, fp32: the kernel updates it in place)?
         Checked each time: something may have pointed the parameter elsewhere since (``p.data = ...``)."""
         return self.owned and self.params[i].data_ptr() == self.master[i].data_ptr()
+
+    def follow_params(self, members: list[int]) -> None:
+        """``params_are_master``: the master views of ``members`` are the parameters as they are
+        now (their owner re-lays its memory out, a user assigns ``p.data``): never stale memory,
+        and a value written from outside is what the step starts from. Main thread, while done."""
+        for i in members:
+            p = self.params[i]
+            shape = self.exp_avg[i].shape
+            if p.device.type != "cpu" or p.dtype != MASTER_DTYPE or not p.is_contiguous() or p.shape != shape:
+                raise ValueError(
+                    f"ChunkedAdamW steps this parameter (shape {tuple(shape)}) in place, as its fp32"
+                    f" master weights, but it now is a {'' if p.is_contiguous() else 'non-contiguous '}{p.dtype}"
+                    f" tensor of shape {tuple(p.shape)} on {p.device}. Assign a contiguous float32 CPU tensor of its"
+                    " shape to `p.data`, or write the values in place (`with torch.no_grad(): p.copy_(value)`)."
+                )
+            self.master[i] = p.detach()  # the kernel does not bump versions: the write-back does
 
 
 def slot_views(spec: ChunkSpec, params: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
@@ -157,7 +181,11 @@ class Stepper:
         return views
 
     def _write_back(self, job: Job, source: torch.Tensor) -> None:
-        """Updated fp32 values of the chunk (``source``: host, flat) into its parameters."""
+        """Updated fp32 values of the chunk (``source``: host, flat) into its parameters; where the
+        kernel updated a parameter in place (``Chunk.params_are_master``, an aliased parameter)
+        only its version counter is bumped (state-dict entries share it; saves tell unchanged
+        tensors by it). Chunks whose parameters are their master weights are host memory, so the
+        optimizer's device is the CPU: they never take the CUDA branch."""
         c = job.chunk
         slots = c.spec.slots
         with torch.no_grad():
@@ -177,9 +205,7 @@ class Stepper:
                 c.cuda_done = self.last_write = event
             else:
                 for i in job.members:
-                    if source is c.master_flat and c.aliased(i):
-                        # Updated in place by the kernel: only its version counter still has to say
-                        # so (state-dict entries share it; saves tell unchanged tensors by it).
+                    if c.params_are_master or (source is c.master_flat and c.aliased(i)):
                         increment_version(c.params[i])
                     else:
                         c.params[i].copy_(source[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]))

@@ -53,6 +53,7 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_ckpt.offload import inplace
 from lightning_ckpt.offload.adamw import ChunkedAdamW
 from lightning_ckpt.offload.layout import host_layout
 from lightning_ckpt.offload.gradients import HostGrads
@@ -149,6 +150,10 @@ class Streamer:
                     else:
                         view.copy_(p.detach())
                         p.data = view
+        # ChunkedAdamW steps fp32 parameters here in place, with no master copy of its own. Our side
+        # of that: a host chunk is read (fetched) after ``wait_for`` its parameters, re-laid out
+        # (here) after ``wait`` (``_unapply``), its values copied and the parameters re-pointed.
+        inplace.register(self, self.host)
         old, self.grads = self.grads, HostGrads(
             self.streams, params, layout.places, layout.grad_buffers, pin=self.device.type == "cuda"
         )
@@ -543,6 +548,7 @@ class Streamer:
 
     def close(self) -> None:
         self._unapply()
+        inplace.unregister(self)
         self.streams.close()
         if self._pool is not None:
             # Unregistered, not unmapped: the parameters keep viewing the host chunks.

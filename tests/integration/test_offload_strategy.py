@@ -555,6 +555,9 @@ def test_chunkedadamw_reads_the_host_gradients_in_place(precision):
     assert all(c.grad_buffer is not None for c in reference_trainer.optimizers[0]._chunks)
     trainer, model = fit(offload(), precision=precision)
     assert all(c.grad_buffer is None for c in trainer.optimizers[0]._chunks)
+    # fp32 host chunks are the master weights (test_offload_inplace.py); bf16 ones keep an fp32 master.
+    assert all(c.params_are_master == (precision == "32-true") for c in trainer.optimizers[0]._chunks)
+    assert all(c.master_flat.numel() == c.spec.numel for c in trainer.optimizers[0]._chunks if precision == "bf16-true")
     assert model.losses == reference.losses
     assert_same(model, reference)
     assert trainer.strategy.memory_stats()["streamed_chunks"] > 0

@@ -10,7 +10,9 @@ import torch
 
 from lightning_ckpt import ChunkedAdamW
 from lightning_ckpt.offload import ChunkedAdamWError
+from lightning_ckpt.offload import inplace
 from lightning_ckpt.offload.chunks import plan_chunks
+from lightning_ckpt.staging import aligned
 
 
 class Net(torch.nn.Module):
@@ -56,6 +58,14 @@ def train(net: Net, opt: torch.optim.Optimizer, steps: int, accumulate: int = 2,
 def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
     for (name, x), y in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(x, y), name
+
+
+def train_alike(net: Net, opt: ChunkedAdamW, ref: Net, ref_opt: torch.optim.Optimizer, steps: int) -> None:
+    """``steps`` of ``train`` on both pairs; the weights are then the same."""
+    train(net, opt, steps)
+    train(ref, ref_opt, steps)
+    opt.wait()
+    assert_same(net, ref)
 
 
 def test_layout_packs_per_group_and_dtype_in_order():
@@ -322,16 +332,14 @@ def test_cpu_fp32_parameters_are_their_master_weights_and_get_their_memory_back(
     net = Net()
     ref = copy.deepcopy(net)
     opt = ChunkedAdamW(groups(net), lr=1e-2, chunk_size="1KiB")
+    assert not any(c.params_are_master for c in opt._chunks)  # the arena holds their master weights
     for p, (chunk, i) in opt._where.items():
         assert p.data_ptr() == chunk.master[i].data_ptr() and chunk.aliased(i)
         # a storage of its own over those bytes: torch.save / safetensors of it write the parameter alone
         assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
     ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, fused=True)
     versions = {p: p._version for p in opt._where}
-    train(net, opt, 3)
-    train(ref, ref_opt, 3)
-    opt.wait()
-    assert_same(net, ref)
+    train_alike(net, opt, ref, ref_opt, 3)
     # updated by the kernel in place, and their version counters say so (saves tell unchanged tensors by them)
     assert all(p._version > v for p, v in versions.items())
 
@@ -339,10 +347,7 @@ def test_cpu_fp32_parameters_are_their_master_weights_and_get_their_memory_back(
     with torch.no_grad():
         moved.data = moved.detach().clone()  # something points it elsewhere: written back again
     assert not opt._where[moved][0].aliased(opt._where[moved][1])
-    train(net, opt, 2)
-    train(ref, ref_opt, 2)
-    opt.wait()
-    assert_same(net, ref)
+    train_alike(net, opt, ref, ref_opt, 2)
 
     arena = opt._arena
     before = [p.detach().clone() for p in net.parameters()]
@@ -360,6 +365,64 @@ def test_parameters_viewing_a_larger_buffer_keep_their_memory():
     (chunk, i), (bchunk, j) = opt._where[p], opt._where[q]
     assert not chunk.aliased(i) and not bchunk.aliased(j)
     assert p.data_ptr() == flat.data_ptr()
+    # Unregistered memory (a flat parameter, a user's view): a master copy of its own.
+    assert not chunk.params_are_master and chunk.master_flat.numel() == 20
+
+
+class HostChunks:
+    """A module's parameters in one flat fp32 host buffer registered with ``inplace``, as
+    ChunkedOffloadStrategy's streamer holds them; ``relay`` moves them into a fresh buffer (its
+    warm-up), copying the values. Called between steps, after ``wait()`` (the owner's promise)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.params = list({id(p): p for p in module.parameters()}.values())
+        self.relay()
+
+    def relay(self) -> None:
+        self.flat = torch.empty(sum(p.numel() for p in self.params))
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                view = self.flat[offset : offset + p.numel()].view(p.shape)
+                view.copy_(p.detach())
+                p.data = view
+                offset += p.numel()
+        inplace.register(self, [self.flat])
+
+
+def test_parameters_in_registered_host_memory_are_their_own_master_weights():
+    """No master weights in the arena; bit-identical to fused AdamW while the owner re-lays the
+    memory out between steps; values set from outside (in place, ``p.data = ...``) are what the
+    next step starts from; version counters still move."""
+    torch.manual_seed(0)
+    net = Net()
+    ref = copy.deepcopy(net)
+    chunks = HostChunks(net)
+    opt = ChunkedAdamW(groups(net), lr=1e-2, chunk_size="1KiB")
+    ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, fused=True)
+    assert len(opt._chunks) > 2 and all(c.params_are_master and c.master_flat.numel() == 0 for c in opt._chunks)
+    assert opt.host_bytes == sum(2 * aligned(4 * c.spec.numel) for c in opt._chunks)  # the moments only
+    train(net, opt, 2)
+    train(ref, ref_opt, 2)
+    opt.wait()
+    before = chunks.flat
+    chunks.relay()  # the parameters change storage between two steps
+    left = before.clone()
+    versions = {p: p._version for p in opt._where}
+    train_alike(net, opt, ref, ref_opt, 2)
+    assert all(p._version > v for p, v in versions.items())
+    assert torch.equal(before, left)  # the memory the parameters left is never stepped again
+    with torch.no_grad():
+        for model in (net, ref):
+            model.body[0].weight.fill_(0.25)
+            model.body[2].bias.data = torch.full((13,), 0.5)
+    train_alike(net, opt, ref, ref_opt, 2)
+    net.body[0].weight.data = torch.zeros(13, 37).t()
+    net(torch.zeros(2, 3, dtype=torch.long)).backward()
+    with pytest.raises(ValueError, match=r"in place.*non-contiguous torch.float32 tensor of shape \(37, 13\).*p\.copy_"):
+        opt.step()
+    inplace.unregister(chunks)
+    assert not inplace.steps_in_place(net.embed.weight)
 
 
 def test_state_moved_to_a_device_by_lightning_points_back_at_the_arena():

@@ -6,19 +6,32 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import safetensors.torch
 import torch
 
 from lightning_ckpt import ChunkedAdamW
+from lightning_ckpt.offload import inplace
 from lightning_ckpt.plan import make_plan
 from lightning_ckpt.staging import DeferredCopies, StagingPool, layout
 
 
-def _model_and_optimizer() -> tuple[torch.nn.Module, ChunkedAdamW]:
+def _model_and_optimizer(in_place: bool = False) -> tuple[torch.nn.Module, ChunkedAdamW]:
+    """``in_place``: the parameters view one registered host buffer (as ChunkedOffloadStrategy's
+    host chunks are), so they are the master weights and the arena holds the moments alone."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(13, 37), torch.nn.GELU(), torch.nn.Linear(37, 5))
+    if in_place:
+        net.flat = torch.cat([p.detach().flatten() for p in net.parameters()])
+        offset = 0
+        for p in net.parameters():
+            p.data = net.flat[offset : offset + p.numel()].view(p.shape)
+            offset += p.numel()
+        inplace.register(net, [net.flat])
     # 1 KiB chunks: four chunks, so the copies run chunk by chunk.
-    return net, ChunkedAdamW(net.parameters(), lr=1e-2, chunk_size="1KiB", overlap=False)
+    optimizer = ChunkedAdamW(net.parameters(), lr=1e-2, chunk_size="1KiB", overlap=False)
+    assert all(c.params_are_master is in_place for c in optimizer._chunks)
+    return net, optimizer
 
 
 def _step(net: torch.nn.Module, optimizer: ChunkedAdamW, seed: int) -> None:
@@ -30,20 +43,28 @@ def _step(net: torch.nn.Module, optimizer: ChunkedAdamW, seed: int) -> None:
 
 def _staged_state(pool: StagingPool, plan, image_layout) -> dict[tuple, torch.Tensor]:
     """The optimizer state tensors as the pool holds them (its shard file images, parsed)."""
+    return _staged(pool, plan, image_layout, lambda path: path[-1] in ("exp_avg", "exp_avg_sq"))
+
+
+def _staged(pool: StagingPool, plan, image_layout, wanted) -> dict[tuple, torch.Tensor]:
+    """The tensors whose path is ``wanted`` as the pool holds them (its shard file images, parsed)."""
     blobs = {}
     for filename, (offset, size) in image_layout.images.items():
         blobs.update(safetensors.torch.load(bytes(pool.buffer[offset : offset + size])))
-    return {spec.path: blobs[spec.blob] for spec in plan.tensors if spec.path[-1] in ("exp_avg", "exp_avg_sq")}
+    return {spec.path: blobs[spec.blob] for spec in plan.tensors if wanted(spec.path)}
 
 
-def test_the_next_step_copies_a_claimed_chunk_into_the_pool_before_writing_it():
-    net, optimizer = _model_and_optimizer()
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_next_step_copies_a_claimed_chunk_into_the_pool_before_writing_it(in_place):
+    net, optimizer = _model_and_optimizer(in_place)
     _step(net, optimizer, 0)
     state = optimizer.state_dict()
     at_save = {(k, n): t.clone() for k, entry in state["state"].items() for n, t in entry.items() if n != "step"}
     moment_bytes = sum(t.numel() * t.element_size() for t in at_save.values())
+    weights = {k: t.clone() for k, t in net.state_dict().items()}
 
-    plan = make_plan({"optimizer": state}, 2**30)
+    # The weights (outside the arena, or its master region) are copied by the staging call.
+    plan = make_plan({"optimizer": state, "state_dict": net.state_dict()}, 2**30)
     image_layout, headers = layout(plan)
     pool = StagingPool()
     copies = pool.stage(plan, image_layout, headers, defer_host=True)
@@ -61,6 +82,10 @@ def test_the_next_step_copies_a_claimed_chunk_into_the_pool_before_writing_it():
     for (k, n), value in at_save.items():
         assert torch.equal(staged[("optimizer", "state", k, n)], value), (k, n)
         assert not torch.equal(optimizer.state_dict()["state"][k][n], value), (k, n)  # the step moved on
+    staged_weights = _staged(pool, plan, image_layout, lambda path: path[0] == "state_dict")
+    for k, value in weights.items():
+        assert torch.equal(staged_weights[("state_dict", k)], value), k
+        assert not torch.equal(net.state_dict()[k], value), k
     pool.close()
 
 
@@ -100,6 +125,7 @@ def test_tensors_outside_the_arena_are_not_claimed():
 _OUTLIVE = """
 import gc, torch
 from lightning_ckpt import ChunkedAdamW
+from lightning_ckpt.offload import inplace
 net = torch.nn.Linear(64, 64)
 opt = ChunkedAdamW(net.parameters(), lr=1e-2)
 net(torch.randn(4, 64)).sum().backward()
