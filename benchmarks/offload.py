@@ -337,8 +337,9 @@ def run_strategy(args: argparse.Namespace) -> list[dict[str, Any]]:
 
             step()  # the warm-up step (traced plan) is not timed
             seconds.append(_time_steps(step, args.steps, optimizer.wait))
+            stats = {"optimizer_host_bytes": optimizer.host_bytes}  # its arena: master weights (if any) and moments
             if streamer is not None:
-                stats = streamer.stats()
+                stats.update(streamer.stats())
                 streamer.close()
         else:
             rows.append({"contender": name, "step_seconds": seconds, "median_step_seconds": median(seconds), **(stats or {})})
@@ -805,12 +806,12 @@ def render_table(rows: list[dict[str, Any]]) -> Any:
         return table
     if any("vs_resident" in row or "error" in row for row in rows):
         table = Table(title="training step, parameters streamed vs resident (medians)")
-        for column in ("contender", "step s", "x resident", "budget MB", "peak device MB", "H2D MB", "D2H MB", "error"):
+        for column in ("contender", "step s", "x resident", "budget MB", "peak device MB", "H2D MB", "D2H MB", "optimizer host MB", "error"):
             table.add_column(column, justify="left" if column in ("contender", "error") else "right")
         for row in rows:
             table.add_row(
                 row["contender"], fmt(row.get("median_step_seconds"), 4), fmt(row.get("vs_resident")),
-                *(fmt(row[k] / 2**20 if row.get(k) is not None else None, 2) for k in ("device_memory_budget", "peak_device_bytes", "h2d_bytes", "d2h_bytes")),
+                *(fmt(row[k] / 2**20 if row.get(k) is not None else None, 2) for k in ("device_memory_budget", "peak_device_bytes", "h2d_bytes", "d2h_bytes", "optimizer_host_bytes")),
                 row.get("error", ""),
             )
         return table
