@@ -206,9 +206,8 @@ class ChunkedAdamW(Optimizer):
             owned = owners[spec.index] == rank
             empty = torch.empty(0, dtype=MASTER_DTYPE)
             master_flat, avg, avg_sq = self._arena.tensors(spec) if owned else (empty, empty, empty)
-            master = slot_views(spec, params, master_flat) if spec.master else [p.detach() for p in params]
             chunk = Chunk(
-                spec, params, None, [], master_flat, master, *(slot_views(spec, params, t) for t in (avg, avg_sq)),
+                spec, params, None, [], master_flat, *(slot_views(spec, params, t) for t in (master_flat, avg, avg_sq)),
                 [None] * len(params), owners[spec.index], owned, device=self.device, params_are_master=not spec.master,
             )
             self._chunks.append(chunk)
@@ -321,39 +320,34 @@ class ChunkedAdamW(Optimizer):
                 if not self._reads_in_place(p):
                     self._into_view(chunk, i)
                 grads.append(p.grad)
-                outside = chunk.owned and chunk.versions[i] != stamp(p)  # set from outside
-                if outside and not chunk.params_are_master and not chunk.aliased(i):
+                if chunk.owned and chunk.versions[i] != stamp(p) and not chunk.aliased(i):  # set from outside
                     self._arena.writable(chunk.spec)
                     chunk.master[i].copy_(p.detach())
                     chunk.versions[i] = stamp(p)
                 members.append(i)
             if not members:
                 continue
-            if chunk.params_are_master:
-                chunk.follow_params(members)
             group = self.param_groups[chunk.spec.group]
             steps = [self._state_of(chunk, i)["step"] for i in members]
             lr = group["lr"]
-            job = Job(
+            jobs.append(Job(
                 chunk, members, steps, float(lr), float(group["betas"][0]), float(group["betas"][1]),
-                float(group["eps"]), float(group["weight_decay"]), None, grads,
-            )
-            if self.device.type == "cuda":
-                jobs.append(job)
-            else:  # nothing to order on a stream: the worker starts on it at once
-                chunk.done.clear()
-                self._worker.jobs.put(job)
+                float(group["eps"]), float(group["weight_decay"]), None, grads, chunk.masters_of(members),
+            ))
             if chunk.synchronous or not self._overlap:
                 waits.append(chunk)
-        if jobs:
-            # Recorded after the loop: the copies into gradient views above (``_into_view``) are on
-            # this stream too, and the worker's D2H copy waits for this event alone.
+        # Invariant: a step() that raises has queued nothing (a retry would step chunks twice), so
+        # jobs are queued after the loop. On CUDA they share one event, recorded after the loop: the
+        # copies into gradient views above (``_into_view``) are on this stream too, and the
+        # worker's D2H copy waits for this event alone.
+        grads_ready = None
+        if jobs and self.device.type == "cuda":
             grads_ready = torch.cuda.Event()
             grads_ready.record(torch.cuda.current_stream(self.device))
-            for job in jobs:
-                job.grads_ready = grads_ready
-                job.chunk.done.clear()
-                self._worker.jobs.put(job)
+        for job in jobs:
+            job.grads_ready = grads_ready
+            job.chunk.done.clear()
+            self._worker.jobs.put(job)
         self._wait(waits)
         return loss
 

@@ -32,9 +32,11 @@ class Chunk:
 
     ``params_are_master``: the parameters are fp32 host memory of an owner that lets the optimizer
     step it (:mod:`lightning_ckpt.offload.inplace`: ``ChunkedOffloadStrategy``'s host chunks), so
-    the chunk has no master weights in the arena (``master_flat`` empty) and ``master`` views the
-    parameters themselves, re-pointed at each ``step()`` (``follow_params``): the kernel updates
-    them in place, wherever they are then.
+    the chunk has no master weights in the arena (``master_flat`` and ``master`` empty): each job
+    carries the parameters as they are at its ``step()`` (``masters_of``), and the kernel updates
+    them in place, wherever they are then. Nothing here keeps a view of them between steps (it
+    would keep memory their owner has let go of, e.g. the host chunks before the warm-up's
+    re-layout, alive for as long as a parameter gets no gradient).
     """
 
     spec: ChunkSpec
@@ -45,7 +47,7 @@ class Chunk:
     grad_buffer: torch.Tensor | None
     grads: list[torch.Tensor]  # views of grad_buffer with the parameters' shapes (empty until then)
     master_flat: torch.Tensor  # the chunk's fp32 master weights in the arena (empty: not owned, or none)
-    master: list[torch.Tensor]  # views of master_flat (or the parameters) / the moments with the parameters' shapes
+    master: list[torch.Tensor]  # views of master_flat / the moments with the parameters' shapes
     exp_avg: list[torch.Tensor]
     exp_avg_sq: list[torch.Tensor]
     # each parameter's (data pointer, ``_version``) when master last matched it: an in-place write
@@ -72,12 +74,19 @@ class Chunk:
     def aliased(self, i: int) -> bool:
         """Is parameter ``i`` a view of its master weights (CPU, fp32: the kernel updates it in place)?
         Checked each time: something may have pointed the parameter elsewhere since (``p.data = ...``)."""
+        if self.params_are_master:
+            return True
         return self.owned and self.params[i].data_ptr() == self.master[i].data_ptr()
 
-    def follow_params(self, members: list[int]) -> None:
-        """``params_are_master``: the master views of ``members`` are the parameters as they are
-        now (their owner re-lays its memory out, a user assigns ``p.data``): never stale memory,
-        and a value written from outside is what the step starts from. Main thread, while done."""
+    def masters_of(self, members: list[int]) -> list[torch.Tensor]:
+        """What the kernel steps for ``members``: their master weights, or (``params_are_master``)
+        the parameters as they are now, wherever their owner has put them since the last step (so
+        never stale memory, and a value written from outside is what the step starts from).
+        Raises before anything is queued if one can no longer be stepped in place. Main thread."""
+        if not self.owned:  # sharded mode: the owner steps it
+            return []
+        if not self.params_are_master:
+            return [self.master[i] for i in members]
         for i in members:
             p = self.params[i]
             shape = self.exp_avg[i].shape
@@ -85,10 +94,10 @@ class Chunk:
                 raise ValueError(
                     f"ChunkedAdamW steps this parameter (shape {tuple(shape)}) in place, as its fp32"
                     f" master weights, but it now is a {'' if p.is_contiguous() else 'non-contiguous '}{p.dtype}"
-                    f" tensor of shape {tuple(p.shape)} on {p.device}. Assign a contiguous float32 CPU tensor of its"
-                    " shape to `p.data`, or write the values in place (`with torch.no_grad(): p.copy_(value)`)."
+                    f" tensor of shape {tuple(p.shape)} on {p.device}. Change its values in place instead of"
+                    " assigning `p.data` (`with torch.no_grad(): p.copy_(value)`); no step was taken."
                 )
-            self.master[i] = p.detach()  # the kernel does not bump versions: the write-back does
+        return [self.params[i].detach() for i in members]  # the kernel does not bump versions: the write-back does
 
 
 def slot_views(spec: ChunkSpec, params: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
@@ -111,6 +120,7 @@ class Job:
     weight_decay: float
     grads_ready: Any = None  # torch.cuda.Event on the training stream (CUDA only)
     grads: list[torch.Tensor] = field(default_factory=list)  # the members' ``.grad`` at ``step()``
+    masters: list[torch.Tensor] = field(default_factory=list)  # what the kernel steps (``Chunk.masters_of``)
 
 
 class Worker:
@@ -229,7 +239,7 @@ class Stepper:
         # same elements as for separate tensors: a flat call would differ in the tails).
         torch._foreach_add_(job.steps, 1)
         torch._fused_adamw_(
-            [c.master[i] for i in job.members],
+            job.masters,
             grads,
             [c.exp_avg[i] for i in job.members],
             [c.exp_avg_sq[i] for i in job.members],

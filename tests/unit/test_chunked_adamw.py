@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -369,6 +371,10 @@ def test_parameters_viewing_a_larger_buffer_keep_their_memory():
     assert not chunk.params_are_master and chunk.master_flat.numel() == 20
 
 
+class _Memory(bytearray):
+    """Host memory a weak reference can follow (a bytearray cannot be referenced weakly)."""
+
+
 class HostChunks:
     """A module's parameters in one flat fp32 host buffer registered with ``inplace``, as
     ChunkedOffloadStrategy's streamer holds them; ``relay`` moves them into a fresh buffer (its
@@ -379,7 +385,9 @@ class HostChunks:
         self.relay()
 
     def relay(self) -> None:
-        self.flat = torch.empty(sum(p.numel() for p in self.params))
+        memory = _Memory(4 * sum(p.numel() for p in self.params))
+        self.memory = weakref.ref(memory)  # dead once no tensor views this layout any longer
+        self.flat = torch.frombuffer(memory, dtype=torch.float32)
         offset = 0
         with torch.no_grad():
             for p in self.params:
@@ -419,10 +427,33 @@ def test_parameters_in_registered_host_memory_are_their_own_master_weights():
     train_alike(net, opt, ref, ref_opt, 2)
     net.body[0].weight.data = torch.zeros(13, 37).t()
     net(torch.zeros(2, 3, dtype=torch.long)).backward()
+    steps = [s["step"].item() for s in opt.state.values()]
+    embedding = net.embed.weight.detach().clone()  # in the first chunk, before the refused one
     with pytest.raises(ValueError, match=r"in place.*non-contiguous torch.float32 tensor of shape \(37, 13\).*p\.copy_"):
         opt.step()
+    opt.wait()  # nothing was queued: a retry after the fix cannot step a chunk twice
+    assert [s["step"].item() for s in opt.state.values()] == steps and torch.equal(net.embed.weight, embedding)
     inplace.unregister(chunks)
     assert not inplace.steps_in_place(net.embed.weight)
+
+
+def test_memory_the_owner_relaid_is_let_go_even_by_a_parameter_without_gradients():
+    """The optimizer holds no view of parameters in registered memory between steps: the owner's
+    old layout is freed after its re-layout, also when a parameter never gets a gradient."""
+    torch.manual_seed(0)
+    net = Net()
+    net.unused = torch.nn.Linear(3, 3)  # trainable, never in the forward
+    chunks = HostChunks(net)
+    opt = ChunkedAdamW(net.parameters(), lr=1e-2, chunk_size="1KiB")
+    train(net, opt, 1)
+    opt.wait()
+    first = chunks.memory
+    chunks.relay()
+    train(net, opt, 2)
+    opt.wait()
+    gc.collect()
+    assert first() is None
+    inplace.unregister(chunks)
 
 
 def test_state_moved_to_a_device_by_lightning_points_back_at_the_arena():
