@@ -21,6 +21,7 @@ PIN_CHUNK = 256 * 2**20  # bytes page-locked per cudaHostRegister call (a multip
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch pins
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in, writable, without touching them
 _POPULATE_THREADS = min(4, max(2, (os.cpu_count() or 2) // 2))
+_FAULT_THREADS = "lightning_ckpt-fault"  # the page-faulting threads' name prefix
 
 
 def new_shared_fd(nbytes: int) -> int:
@@ -101,7 +102,7 @@ class Preparer:
         offset = piece_start = 0
         if self._device is not None:
             torch.cuda.set_device(self._device)
-        executor = ThreadPoolExecutor(_POPULATE_THREADS, thread_name_prefix="lightning_ckpt-fault")
+        executor = ThreadPoolExecutor(_POPULATE_THREADS, thread_name_prefix=_FAULT_THREADS)
         try:
             while offset < nbytes and not self._stop:
                 while starts and len(populating) < 2 * _POPULATE_THREADS:
@@ -134,33 +135,49 @@ class Preparer:
         with self._cond:
             self._cond.wait_for(lambda: self.ready >= end)
 
+    def on_its_threads(self) -> bool:
+        """Is the caller this preparer's thread, or a page-faulting one (whose pool may be this)?"""
+        current = threading.current_thread()
+        return current is self._thread or current.name.startswith(_FAULT_THREADS)
+
     def close(self) -> None:
+        """Stop, join, unregister. Not from ``on_its_threads`` (it would wait for itself)."""
         self._stop = True
-        if threading.current_thread() is not self._thread:  # a collection may run the finalizer there
-            self._thread.join()
-        for address in self._chunks:
-            torch.cuda.cudart().cudaHostUnregister(address)
+        self._thread.join()
+        if self._chunks:
+            assert self._device is not None
+            with torch.cuda.device(self._device):  # not device 0's context from another thread
+                for address in self._chunks:
+                    torch.cuda.cudart().cudaHostUnregister(address)
         self._chunks.clear()
 
 
 class Owned:
     """What a pool must give back: its descriptor (which keeps the shared memory alive after every
-    mapping is gone) and its background thread with the page-locked ranges. ``StagingPool.close``
-    releases it, and so does a finalizer if a pool is collected unclosed. Invariant: the thread is
-    joined before the pool's mapping can go, so the thread never drops the mapping's last reference
-    (releasing a mapping lets go of the GIL inside torch's buffer deleter, which aborts the process
-    when that happens during interpreter exit)."""
+    mapping is gone), its background thread with the page-locked ranges, and a reference to its
+    mapping. ``StagingPool.close`` releases it, and so does a finalizer if a pool is collected
+    unclosed. Invariant: the thread is joined before this reference goes, so the thread never
+    drops the mapping's last reference (releasing a mapping lets go of the GIL inside torch's
+    buffer deleter, which aborts the process when that happens during interpreter exit)."""
 
-    __slots__ = ("fd", "preparer")
+    __slots__ = ("fd", "preparer", "mapping")
 
     def __init__(self) -> None:
         self.fd: int | None = None
         self.preparer: Preparer | None = None
+        self.mapping: mmap.mmap | None = None
 
     def release(self) -> None:
-        if self.preparer is not None:
-            self.preparer.close()
+        preparer = self.preparer
+        if preparer is not None and preparer.on_its_threads():
+            # A garbage collection on the pool's own threads ran the finalizer: joining them here
+            # would wait for ourselves. Released from a thread of its own instead.
+            threading.Thread(target=self.release, name="lightning_ckpt-release", daemon=True).start()
+            return
+        if preparer is not None:
+            preparer.close()
             self.preparer = None
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        self.mapping = None

@@ -256,7 +256,7 @@ class StagingPool:
                 )
             self.close()
             self._owned.fd = new_shared_fd(nbytes)
-            self._map = mmap.mmap(self._owned.fd, nbytes)
+            self._map = self._owned.mapping = mmap.mmap(self._owned.fd, nbytes)
             self._view = torch.frombuffer(self._map, dtype=torch.uint8)
             self.nbytes = nbytes
             self.generation += 1

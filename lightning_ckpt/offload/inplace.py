@@ -22,7 +22,9 @@ from collections.abc import Iterable
 
 import torch
 
-_lock = threading.Lock()
+# Reentrant, and read through a snapshot: an owner's finalizer (``unregister``) may run from a
+# garbage collection on a thread inside ``steps_in_place`` or ``register``.
+_lock = threading.RLock()
 _regions: dict[int, list[tuple[int, int]]] = {}  # id(owner) -> [start, end) addresses of its regions
 
 
@@ -50,8 +52,9 @@ def steps_in_place(p: torch.Tensor) -> bool:
     start = p.data_ptr()
     end = start + p.numel() * p.element_size()
     with _lock:
-        for spans in _regions.values():  # each sorted by start, not overlapping
-            i = bisect.bisect_right(spans, (start, float("inf"))) - 1
-            if i >= 0 and end <= spans[i][1]:
-                return True
+        registered = list(_regions.values())
+    for spans in registered:  # each sorted by start, not overlapping
+        i = bisect.bisect_right(spans, (start, float("inf"))) - 1
+        if i >= 0 and end <= spans[i][1]:
+            return True
     return False

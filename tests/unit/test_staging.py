@@ -3,6 +3,7 @@ its memory back."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import os
@@ -10,6 +11,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -105,6 +107,7 @@ def test_preparer_registers_the_given_pieces_and_ready_is_a_registered_prefix(mo
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
     rng = random.Random(1)
     for trial in range(30):
@@ -174,3 +177,31 @@ def test_an_interpreter_exiting_right_after_dropping_a_pool_exits_cleanly():
     for _ in range(2):  # the abort was a race with the pool's thread: about one exit in two
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_finalizer_run_on_the_pools_own_threads_does_not_wait_for_them(monkeypatch):
+    """A garbage collection can run an unclosed pool's finalizer on one of its page-faulting
+    threads, while the pool's thread waits for that very thread: the release must not join there."""
+    from lightning_ckpt import pinning
+
+    pool = StagingPool()
+    owned = pool._owned
+    populate = pinning._populate
+    calls = []
+    reserved = threading.Event()
+
+    def populate_collecting(view, address, nbytes):
+        if not calls:
+            calls.append(threading.current_thread().name)
+            reserved.wait(30)
+            owned.release()  # as the finalizer would, from a collection on this thread
+        populate(view, address, nbytes)
+
+    monkeypatch.setattr(pinning, "_populate", populate_collecting)
+    pool.reserve(8 * ALIGN)
+    reserved.set()
+    deadline = time.monotonic() + 30
+    while (owned.fd is not None or owned.preparer is not None) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls and calls[0].startswith("lightning_ckpt-fault")
+    assert owned.fd is None and owned.preparer is None and owned.mapping is None
