@@ -46,9 +46,12 @@ def unregister(owner: object | int) -> None:
 
 
 def steps_in_place(p: torch.Tensor) -> bool:
-    """Is ``p`` an fp32, contiguous host tensor lying within one registered region?"""
-    if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous() or p.numel() == 0:
+    """Is ``p`` an fp32, contiguous host tensor lying within one registered region? An empty one
+    holds no bytes: it is (it must not keep a master for its whole chunk)."""
+    if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
         return False
+    if p.numel() == 0:
+        return True
     start = p.data_ptr()
     end = start + p.numel() * p.element_size()
     with _lock:

@@ -435,6 +435,7 @@ def test_parameters_in_registered_host_memory_are_their_own_master_weights():
     assert [s["step"].item() for s in opt.state.values()] == steps and torch.equal(net.embed.weight, embedding)
     inplace.unregister(chunks)
     assert not inplace.steps_in_place(net.embed.weight)
+    assert inplace.steps_in_place(torch.empty(0)) and not inplace.steps_in_place(torch.empty(0, dtype=torch.bfloat16))
 
 
 def test_memory_the_owner_relaid_is_let_go_even_by_a_parameter_without_gradients():
