@@ -196,8 +196,23 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None and self.root_device.type == "cuda":
             unscale_on_the_host(scaler)
-        if self._streamer is not None:
-            self._streamer.optimizers = [o for o in self.optimizers if isinstance(o, ChunkedAdamW)]
+
+    @property  # type: ignore[override]
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return self._optimizers
+
+    @optimizers.setter
+    def optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        # Every assignment (setup, the learning-rate finder, ``trainer.optimizers = ...``) tells
+        # the streamer which optimizers write the host chunks: it waits for their steps before it
+        # reads or moves a chunk.
+        SingleDeviceStrategy.optimizers.fset(self, optimizers)  # type: ignore[attr-defined]
+        self._tell_streamer()
+
+    def _tell_streamer(self) -> None:
+        streamer = getattr(self, "_streamer", None)  # the base class sets ``optimizers`` first
+        if streamer is not None:
+            streamer.optimizers = [o for o in self._optimizers if isinstance(o, ChunkedAdamW)]
 
     @override
     def model_to_device(self) -> None:
@@ -232,6 +247,7 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
         order = unique(p for _, m in units for p in m.parameters())
         params = unique([*order, *model.parameters()])
         self._streamer = Streamer(units, params, self.chunk_size, self._budget(), self.prefetch, device, streams)
+        self._tell_streamer()
         if born:
             self._pending = initialize(model, born)  # checked before the first step
         # Any state dict of the model (a checkpoint's, a callback's) reads the host chunks.

@@ -5,6 +5,8 @@ checkpoints (sync and async)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
@@ -83,3 +85,39 @@ def test_saves_resume_bit_identical(tmp_path, async_save):
     assert_in_place(trainer.optimizers[0])
     assert resumed.losses == reference.losses[EPOCH:]
     assert_same(resumed, reference)
+
+
+class SwapOptimizer(Callback):
+    """Before batch 2: a new ChunkedAdamW over the same parameters, with the old one's state, takes
+    over through ``trainer.optimizers`` (as the learning-rate finder and user code assign it); its
+    worker is slowed down, so a fetch that does not wait for its steps reads half-stepped chunks."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx != 2:
+            return
+        old = trainer.optimizers[0]
+        if isinstance(old, lc.ChunkedAdamW):
+            old.wait()
+        new = pl_module.configure_optimizers()
+        new.load_state_dict(old.state_dict())
+        if isinstance(new, lc.ChunkedAdamW):
+            run = new._worker.run
+            new._worker.run = lambda job: (time.sleep(0.01), run(job))[1]
+        trainer.optimizers = [new]
+
+
+def fit_swapping(model_class: type[Stack], strategy: lc.ChunkedOffloadStrategy | None = None) -> tuple:
+    seed_everything(0, workers=True)
+    kwargs = trainer_kwargs(max_steps=6, callbacks=[SwapOptimizer()], enable_checkpointing=False)
+    trainer = Trainer(**kwargs, **({"strategy": strategy} if strategy else {}))
+    model = model_class()
+    trainer.fit(model)
+    return trainer, model
+
+
+def test_an_optimizer_assigned_mid_training_is_waited_for_before_fetches():
+    _, reference = fit_swapping(FusedAdamWStack)
+    trainer, model = fit_swapping(Stack, offload())
+    trainer.optimizers[0].wait()
+    assert model.losses == reference.losses
+    assert_same(model, reference)
