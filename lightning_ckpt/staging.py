@@ -46,9 +46,9 @@ from lightning_ckpt.plan import Blob, Plan, Shard
 ALIGN = 4096
 
 
-def aligned(n: int) -> int:
-    """``n`` rounded up to ALIGN: the pool bytes a file image of ``n`` bytes occupies."""
-    return -(-n // ALIGN) * ALIGN
+def aligned(n: int, align: int = ALIGN) -> int:
+    """``n`` rounded up to ``align`` (default ALIGN: the pool bytes a file image of ``n`` bytes occupies)."""
+    return -(-n // align) * align
 
 
 @dataclass(frozen=True, slots=True)

@@ -208,7 +208,7 @@ class ChunkedAdamW(Optimizer):
             master_flat, avg, avg_sq = self._arena.tensors(spec) if owned else (empty, empty, empty)
             chunk = Chunk(
                 spec, params, None, [], master_flat, *(slot_views(spec, params, t) for t in (master_flat, avg, avg_sq)),
-                [None] * len(params), owners[spec.index], owned, device=self.device, params_are_master=not spec.master,
+                [None] * len(params), owners[spec.index], owned, device=self.device,
             )
             self._chunks.append(chunk)
             for i, p in enumerate(params):

@@ -18,8 +18,7 @@ import torch
 
 from lightning_ckpt.offload.chunks import ChunkSpec, plan_chunks
 from lightning_ckpt.pinning import pin_pieces
-from lightning_ckpt.staging import StagingPool
-from lightning_ckpt.staging import aligned as page_aligned
+from lightning_ckpt.staging import StagingPool, aligned
 
 # Bytes; every slot and parameter offset is a multiple, so any dtype views it. On CUDA a
 # parameter's address is as aligned as the caching allocator's (cuBLAS picks kernels by pointer
@@ -81,7 +80,7 @@ def host_layout(params: list[torch.nn.Parameter], chunk_bytes: int, device: torc
     sizes = [*chunk_nbytes, *(chunk_nbytes[c] for c in graded)]
     starts = [0]
     for n in sizes:
-        starts.append(starts[-1] + page_aligned(n))
+        starts.append(starts[-1] + aligned(n))  # page-aligned regions
     pool = StagingPool()
     nbytes = max(starts[-1], ALIGN)
     pool.reserve(nbytes, pin=device.type == "cuda", pieces=pin_pieces(starts[1:], nbytes))
@@ -91,7 +90,3 @@ def host_layout(params: list[torch.nn.Parameter], chunk_bytes: int, device: torc
     return HostLayout(
         params, specs, chunk_nbytes, places, regions[: len(specs)], dict(zip(graded, regions[len(specs) :])), pool
     )
-
-
-def aligned(n: int, align: int = ALIGN) -> int:
-    return (n + align - 1) // align * align

@@ -59,10 +59,14 @@ class Chunk:
     synchronous: bool = True  # holds a parameter not seen in a module's forward: step() waits
     cuda_done: Any = None  # torch.cuda.Event after the last write-back (CUDA only)
     device: torch.device = torch.device("cpu")  # the parameters' device (of the gradient buffer)
-    params_are_master: bool = False  # see the class docstring (never on CUDA, never sharded)
 
     def __post_init__(self) -> None:
         self.done.set()
+
+    @property
+    def params_are_master(self) -> bool:
+        """See the class docstring: the chunk's spec has no master region (never on CUDA, never sharded)."""
+        return not self.spec.master
 
     def grad_views(self) -> list[torch.Tensor]:
         """``grads``, allocating the gradient buffer (zeros) on first use."""
@@ -215,7 +219,7 @@ class Stepper:
                 c.cuda_done = self.last_write = event
             else:
                 for i in job.members:
-                    if c.params_are_master or (source is c.master_flat and c.aliased(i)):
+                    if source is c.master_flat and c.aliased(i):  # ``aliased`` holds for ``params_are_master``
                         increment_version(c.params[i])
                     else:
                         c.params[i].copy_(source[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]))

@@ -367,9 +367,6 @@ class ChunkedOffloadStrategy(SingleDeviceStrategy):
         super().teardown()
 
 
-__all__ = ["ChunkedOffloadStrategy", "OffloadBudgetError"]
-
-
 class _HostGradientsScaler:
     """A ``GradScaler`` whose scale lives on the device while the gradients are in host memory.
 
@@ -395,3 +392,5 @@ def unscale_on_the_host(scaler: Any) -> None:
         return
     scaler.__class__ = type(f"HostGradients{cls.__name__}", (_HostGradientsScaler, cls), {})
 
+
+__all__ = ["ChunkedOffloadStrategy", "OffloadBudgetError"]

@@ -49,14 +49,15 @@ class WriteBetweenSteps(Callback):
                 pl_module.layers[1].weight.fill_(0.01)
 
 
-def run(model_class: type[Stack], strategy: lc.ChunkedOffloadStrategy | None = None) -> tuple:
+def run(model_class: type[Stack], strategy: lc.ChunkedOffloadStrategy | None = None, callback: Callback | None = None) -> tuple:
+    """A seeded 6-step fit with ``callback`` (default: :class:`WriteBetweenSteps`): (trainer, model, callback)."""
     seed_everything(0, workers=True)
-    writes = WriteBetweenSteps()
-    kwargs = trainer_kwargs(max_steps=6, callbacks=[writes], enable_checkpointing=False)
+    callback = callback or WriteBetweenSteps()
+    kwargs = trainer_kwargs(max_steps=6, callbacks=[callback], enable_checkpointing=False)
     trainer = Trainer(**kwargs, **({"strategy": strategy} if strategy else {}))
     model = model_class()
     trainer.fit(model)
-    return trainer, model, writes
+    return trainer, model, callback
 
 
 def test_fp32_host_chunks_are_stepped_in_place_equal_to_fused_adamw():
@@ -106,18 +107,9 @@ class SwapOptimizer(Callback):
         trainer.optimizers = [new]
 
 
-def fit_swapping(model_class: type[Stack], strategy: lc.ChunkedOffloadStrategy | None = None) -> tuple:
-    seed_everything(0, workers=True)
-    kwargs = trainer_kwargs(max_steps=6, callbacks=[SwapOptimizer()], enable_checkpointing=False)
-    trainer = Trainer(**kwargs, **({"strategy": strategy} if strategy else {}))
-    model = model_class()
-    trainer.fit(model)
-    return trainer, model
-
-
 def test_an_optimizer_assigned_mid_training_is_waited_for_before_fetches():
-    _, reference = fit_swapping(FusedAdamWStack)
-    trainer, model = fit_swapping(Stack, offload())
+    _, reference, _ = run(FusedAdamWStack, callback=SwapOptimizer())
+    trainer, model, _ = run(Stack, offload(), SwapOptimizer())
     trainer.optimizers[0].wait()
     assert model.losses == reference.losses
     assert_same(model, reference)
