@@ -415,15 +415,15 @@ class AsyncSaver:
 
     def release_pool(self) -> None:
         """Free the staging pool. Unmapping and freeing gigabytes of shared memory takes a while
-        (0.4 s at 3 GB): a host-only pool is freed on a thread, so ``teardown`` does not wait for
-        it; a page-locked one here (unregistering synchronises with the device)."""
+        (0.4 s at 3 GB): a host-only pool is unmapped on a thread, so ``teardown`` does not wait
+        for it; a page-locked one here (unregistering synchronises with the device)."""
         pool = self.pool
         if pool.pins or pool.nbytes == 0:
             pool.close()
             return
         self.pool = StagingPool(pool.max_bytes)
         self.pool.generation = pool.generation  # the writer tells pools apart by generation
-        threading.Thread(target=pool.close, name="lightning_ckpt-free-pool", daemon=True).start()
+        pool.close(unmap_in_background=True)
 
     def remove(self, path: str) -> bool:
         """Queue the removal of ``path`` behind the save replacing it; ``True`` when handled here

@@ -205,3 +205,17 @@ def test_a_finalizer_run_on_the_pools_own_threads_does_not_wait_for_them(monkeyp
         time.sleep(0.01)
     assert calls and calls[0].startswith("lightning_ckpt-fault")
     assert owned.fd is None and owned.preparer is None and owned.mapping is None
+
+
+def test_a_background_unmap_leaves_only_the_plain_mapping_to_its_thread():
+    """``close(unmap_in_background=True)`` (teardown's): the pool's thread is joined and its
+    ``frombuffer`` view dropped by the caller; a daemon thread dropping a ``frombuffer`` storage
+    while the interpreter exits aborts the process (torch's deleter takes the GIL back there)."""
+    pool = StagingPool()
+    pool.reserve(8 * ALIGN)
+    view = pool._view
+    owned = pool._owned
+    pool.close(unmap_in_background=True)
+    assert owned.view is None and owned.preparer is None and owned.fd is None and owned.mapping is None
+    assert sys.getrefcount(view) == 2  # ours and the call's: the pool's and its thread's went on this thread
+    assert not [t for t in threading.enumerate() if t.name == "lightning_ckpt-pin"]
