@@ -19,9 +19,11 @@ take alike are taken locally:
   ``schedule.SLOWDOWN_TOLERANCE`` times slower (``schedule.TimeSchedule``).
 
 A *save step* is one hook call (``on_train_batch_end``, ``on_validation_end``, ...) that writes
-one or more files (the top-k file, ``last.ckpt``). ``Trainer.save_checkpoint``'s barrier (one
-per file) is not run: nothing on the other ranks reads a checkpoint before the next stage's
-setup, whose own collectives order it after rank 0's write. When the IO can skip a save
+one or more files (the top-k file, ``last.ckpt``). In one process each file is saved through
+``Trainer.save_checkpoint``, as ``ModelCheckpoint`` does (users, loggers and other callbacks wrap
+it; its barrier is a no-op there). With several ranks its barrier (one per file) is not run:
+nothing on the other ranks reads a checkpoint before the next stage's setup, whose own
+collectives order it after rank 0's write. When the IO can skip a save
 (``ShardedCheckpointIO(async_save=True, when_busy="skip")``) the step ends with one collective,
 a broadcast telling every rank whether rank 0's IO skipped one. A skipped save, and the saves
 after it in the same step, are undone on every rank: the bookkeeping (``best_k_models``,
@@ -63,7 +65,7 @@ from lightning_ckpt.records import SaveRecorder, features, saves_async
 from lightning_ckpt.remote import is_remote, url_key
 from lightning_ckpt.resume import last_good, listing
 from lightning_ckpt.schedule import TimeSchedule
-from lightning_ckpt.strategies import enable_sharded_resume, prepare_staging, save_from_ranks, sharded_io
+from lightning_ckpt.strategies import enable_sharded_checkpoints, prepare_staging, save_from_ranks, sharded_io
 from lightning_ckpt.writer import link_checkpoint
 
 # Checkpoint paths known to exist, per folder (see the module docstring); shared by instances
@@ -211,7 +213,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             plugin.track_frozen(pl_module)
         # Before the strategy restores (Trainer._run: callbacks' setup, then strategy.setup, then the
         # restore): a stock ModelParallelStrategy / FSDPStrategy resumes from our checkpoints.
-        enable_sharded_resume(trainer.strategy)
+        enable_sharded_checkpoints(trainer.strategy)
         self._staging_prepared = False
         # One record per folder, shared by every checkpoint callback saving there (as the
         # filesystem would be).

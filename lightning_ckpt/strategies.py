@@ -7,12 +7,14 @@ strategy's state is sharded (``ModelParallelStrategy`` with ``save_distributed_c
 
 Loading one of our checkpoints back into FSDP / tensor-parallel modules is what the stock
 strategies cannot be told to do through the ``CheckpointIO``: their ``load_checkpoint`` never
-consults it (it recognises only DCP folders and single files). Two ways in, one loader
-(:func:`load_in_place`):
+consults it (it recognises only DCP folders and single files), and their ``save_checkpoint`` writes
+DCP files (sharded state) or refuses an existing directory (full state: ``last.ckpt``'s second
+save). Two ways in, one loader (:func:`load_in_place`) and one saver (:func:`save_sharded`):
 
-* ``ShardedModelCheckpoint.setup`` calls :func:`enable_sharded_resume` on the trainer's strategy
-  (callbacks' ``setup`` runs before the strategy restores), so a stock ``ModelParallelStrategy`` or
-  ``FSDPStrategy``, or a user's subclass of either, resumes from our checkpoints as it is;
+* ``ShardedModelCheckpoint.setup`` calls :func:`enable_sharded_checkpoints` on the trainer's
+  strategy (callbacks' ``setup`` runs before the strategy restores), so a stock
+  ``ModelParallelStrategy`` or ``FSDPStrategy``, or a user's subclass of either, saves and resumes
+  our checkpoints as it is (``Trainer.save_checkpoint`` included);
 * ``ShardedModelParallelStrategy`` / ``ShardedFSDPStrategy`` do the same by subclassing, for
   runs without the callback, and also hand the plugin the state where it lives (no copy into
   host memory in ``dump_checkpoint``).
@@ -96,8 +98,16 @@ def save_sharded(strategy: Strategy, checkpoint: dict[str, Any], filepath: _PATH
 
 
 def save_from_ranks(trainer: pl.Trainer, filepath: str, weights_only: bool) -> None:
-    """``Trainer.save_checkpoint`` on any number of ranks, without its per-file barrier (see
-    ``callback``'s module docstring; in one process it is a no-op). Every rank calls it."""
+    """``Trainer.save_checkpoint`` on any number of ranks. Every rank calls it.
+
+    In one process it *is* ``Trainer.save_checkpoint`` (public API that users, loggers and other
+    callbacks wrap; its barrier is a no-op there). With several ranks, the same steps without its
+    per-file barrier (see ``callback``'s module docstring).
+    """
+    if trainer.world_size == 1:
+        with checkpoint_state(trainer.strategy, filepath):
+            trainer.save_checkpoint(filepath, weights_only)
+        return
     with trainer.profiler.profile("save_checkpoint"):
         with checkpoint_state(trainer.strategy, filepath):  # every rank writes: its own optimizer share
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only)
@@ -156,27 +166,31 @@ def is_lightning_ckpt(path: _PATH) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), fmt.MANIFEST_FILE))
 
 
-def enable_sharded_resume(strategy: Strategy) -> bool:
-    """Let this ``ModelParallelStrategy`` / ``FSDPStrategy`` instance resume from our checkpoints;
-    ``False`` for any other strategy (their loads already go through the ``CheckpointIO``).
+def enable_sharded_checkpoints(strategy: Strategy) -> bool:
+    """Let this ``ModelParallelStrategy`` / ``FSDPStrategy`` instance save and resume our
+    checkpoints; ``False`` for any other strategy (their saves and loads already go through the
+    ``CheckpointIO``).
 
-    Invariant: only the instance's ``load_checkpoint`` changes, and only for our checkpoints. The
-    class (a user's subclass included) keeps every method; its own ``load_checkpoint`` still loads
-    every other checkpoint, and saves are untouched. Idempotent, and a no-op on the ``Sharded*``
-    subclasses, which resume this way already. Call it before the strategy restores (a callback's
-    ``setup``).
+    Invariant: only the instance's ``save_checkpoint`` and ``load_checkpoint`` change. The class (a
+    user's subclass included) keeps every method: its own ``load_checkpoint`` still loads every
+    checkpoint that is not ours, and its own ``save_checkpoint`` still saves whenever the plugin is
+    not ``ShardedCheckpointIO`` or ``storage_options`` are given (see :func:`save_sharded`).
+    Idempotent, and a no-op on the ``Sharded*`` subclasses, which do this already. Call it before
+    the strategy restores (a callback's ``setup``).
     """
     if isinstance(strategy, _ShardedResume) or not isinstance(strategy, (ModelParallelStrategy, FSDPStrategy)):
         return False
+    # An instance attribute shadows the class's method; ``strategy.load_checkpoint`` read before it
+    # is the class's bound method: Lightning's, or the subclass's override.
     if not isinstance(strategy.__dict__.get("load_checkpoint"), _LoadOursFirst):
-        # An instance attribute shadows the class's method; ``strategy.load_checkpoint`` read
-        # before it is the class's bound method: Lightning's, or the subclass's override.
         strategy.load_checkpoint = _LoadOursFirst(strategy, strategy.load_checkpoint)  # type: ignore[method-assign]
+    if not isinstance(strategy.__dict__.get("save_checkpoint"), _SaveOursFirst):
+        strategy.save_checkpoint = _SaveOursFirst(strategy, strategy.save_checkpoint)  # type: ignore[method-assign]
     return True
 
 
 class _LoadOursFirst:
-    """A stock strategy instance's ``load_checkpoint`` (see :func:`enable_sharded_resume`)."""
+    """A stock strategy instance's ``load_checkpoint`` (see :func:`enable_sharded_checkpoints`)."""
 
     def __init__(self, strategy: Strategy, stock: Callable[..., dict[str, Any]]) -> None:
         self.strategy = strategy
@@ -184,6 +198,19 @@ class _LoadOursFirst:
 
     def __call__(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         return load_in_place(self.strategy, checkpoint_path, weights_only, self.stock)
+
+
+class _SaveOursFirst:
+    """A stock strategy instance's ``save_checkpoint`` (see :func:`enable_sharded_checkpoints`)."""
+
+    def __init__(self, strategy: Strategy, stock: Callable[..., None]) -> None:
+        self.strategy = strategy
+        self.stock = stock
+
+    def __call__(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        if storage_options is None and save_sharded(self.strategy, checkpoint, filepath):
+            return
+        self.stock(checkpoint, filepath, storage_options=storage_options)
 
 
 class _ShardedResume(Strategy):

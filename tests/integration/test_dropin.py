@@ -150,3 +150,32 @@ def test_public_classes_introspect_like_lightnings(cls):
     parser = ArgumentParser()
     parser.add_class_arguments(cls, "obj")
     parser.parse_args([])
+
+
+class _CountingTrainer(Trainer):
+    """A Trainer whose ``save_checkpoint`` a user (or a logger, another callback) wrapped."""
+
+    saved: list[str]
+
+    def save_checkpoint(self, filepath, weights_only=None, storage_options=None):
+        self.saved.append(os.path.relpath(filepath, self.default_root_dir))
+        super().save_checkpoint(filepath, weights_only, storage_options)
+
+
+@pytest.mark.parametrize("plugins", [[], [lc.ShardedCheckpointIO()]], ids=["lightning-io", "our-io"])
+def test_in_one_process_every_save_goes_through_trainer_save_checkpoint(tmp_path, plugins):
+    """As with ModelCheckpoint, which calls ``trainer.save_checkpoint`` for every file it writes."""
+    saved = {}
+    for name, callback in (("stock", ModelCheckpoint), ("ours", lc.ShardedModelCheckpoint)):
+        seed_everything(0)
+        trainer = _CountingTrainer(
+            max_epochs=2,
+            default_root_dir=tmp_path / name,
+            callbacks=[callback(dirpath=tmp_path / name, save_top_k=-1, every_n_train_steps=2, save_last=True)],
+            plugins=[type(p)() for p in plugins],
+            **trainer_kwargs(),
+        )
+        trainer.saved = []
+        trainer.fit(TinyRegressor())
+        saved[name] = trainer.saved
+    assert saved["ours"] == saved["stock"] and len(saved["stock"]) > 2
