@@ -427,6 +427,16 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=int(argv[0]))
     try:
         _serve(sock)
+    except (BrokenPipeError, ConnectionResetError):
+        # Only the socket to the training process raises these here (a job's own I/O errors are
+        # replies): it died, e.g. SIGKILLed or OOM-killed, with nobody left to reply to. What the
+        # job in hand committed stays; an uncommitted one is a temporary folder the next save removes.
+        print(
+            f"lightning_ckpt writer process {os.getpid()}: the training process is gone; exiting"
+            " (a save it had not committed is removed by the next save into that folder)",
+            file=sys.stderr,
+        )
+        return 1
     finally:
         sock.close()
     return 0
