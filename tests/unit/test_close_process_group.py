@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 from helpers import close_process_group
@@ -26,11 +27,13 @@ def _gloo_workers() -> int:
     return count
 
 
-def _gloo_workers_after(expected: int, timeout: float) -> int:
-    """The number of gloo workers once it is ``expected`` or ``timeout`` seconds have passed: a
-    joined thread leaves /proc a moment after ``join`` returns."""
+def _gloo_workers_once(done: Callable[[int], bool], timeout: float) -> int:
+    """The number of gloo workers once ``done(count)`` holds or ``timeout`` seconds have passed. A
+    thread shows in /proc under its name a moment after it starts (it names itself once running,
+    which on a loaded machine can be long after ``init_process_group`` returned), and leaves /proc
+    a moment after ``join`` returns: sampling once would race both."""
     deadline = time.monotonic() + timeout
-    while (count := _gloo_workers()) != expected and time.monotonic() < deadline:
+    while not done(count := _gloo_workers()) and time.monotonic() < deadline:
         time.sleep(0.05)
     return count
 
@@ -42,10 +45,10 @@ def test_a_group_a_reference_cycle_holds_has_its_threads_joined(tmp_path):
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
         holder: dict = {"group": dist.group.WORLD}
         holder["self"] = holder
-        assert _gloo_workers() > before
+        assert _gloo_workers_once(lambda count: count > before, timeout=60) > before
         del holder
         close_process_group()
-        assert _gloo_workers_after(before, timeout=60) == before
+        assert _gloo_workers_once(lambda count: count == before, timeout=60) == before
     finally:
         gc.enable()
         if dist.is_initialized():
