@@ -46,12 +46,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_ckpt import manifest as fmt
 from lightning_ckpt.compile import install_load_hook, strip_compiled_prefixes
-from lightning_ckpt.errors import skipped_damaged_message
 from lightning_ckpt.io import CheckpointIOFeatures, ShardedCheckpointIO
 from lightning_ckpt.memory import (
     DEFAULT_RELEASE_THRESHOLD_MB,
@@ -63,7 +61,7 @@ from lightning_ckpt.memory import (
 )
 from lightning_ckpt.records import SaveRecorder, features, saves_async
 from lightning_ckpt.remote import is_remote, url_key
-from lightning_ckpt.resume import last_good, listing
+from lightning_ckpt.resume import listing
 from lightning_ckpt.schedule import TimeSchedule
 from lightning_ckpt.strategies import enable_sharded_checkpoints, prepare_staging, save_from_ranks, sharded_io
 from lightning_ckpt.writer import link_checkpoint
@@ -409,27 +407,19 @@ class ShardedModelCheckpoint(ModelCheckpoint):
 
     @override
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
-        """``ckpt_path="last"``: the newest checkpoint in this callback's folder that is committed
-        and intact, skipping damaged ones with a warning naming the damaged file and the one used
-        (``resume.last_good``); the plugin is told which older ones to load instead if the load
-        finds damage (``ShardedCheckpointIO.fall_back_on_damage``).
+        """Lightning's ``last`` checkpoints in this callback's folder (its contract, unchanged);
+        for ``ckpt_path="last"`` in a local folder the plugin is told to load the newest checkpoint
+        there that is committed and intact instead, skipping damaged ones with a warning naming the
+        damaged file and the one used (``ShardedCheckpointIO.resume_last``).
 
-        Only when Lightning finds a ``last`` checkpoint there (otherwise its warning and a fresh
-        start, as before), and for a local folder. Lightning resolves the path on every rank before
-        any process group exists, so no collective is possible; none is needed (see ``resume``).
+        Lightning resolves the path on every rank before any process group exists, so no
+        collective is possible; none is needed (see ``resume``).
         """
         found = super()._find_last_checkpoints(trainer)
-        if not found or is_remote(os.path.dirname(min(found))):
-            return found
-        good = last_good(found, self._template_depth())
-        if good is None:
-            return found  # every one is damaged: the load of the newest raises, naming its damage
-        if good.skipped:
-            rank_zero_warn(skipped_damaged_message(good.skipped, good.path))
         io = trainer.strategy.checkpoint_io
-        if isinstance(io, CheckpointIOFeatures):
-            io.fall_back_on_damage(good.path, good.fallbacks)
-        return {good.path}
+        if found and not is_remote(os.path.dirname(min(found))) and isinstance(io, CheckpointIOFeatures):
+            io.resume_last(found, self._template_depth())
+        return found
 
     @override
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:

@@ -45,6 +45,7 @@ from lightning_ckpt.functional import (  # re-exported: ``lightning_ckpt.io.X`` 
 from lightning_ckpt.compile import normalize_key
 from lightning_ckpt.incremental import Tracker, frozen_keys, stable_predicate, track_optimizer_steps
 from lightning_ckpt.plan import Stable, parse_size
+from lightning_ckpt.resume import last_good
 from lightning_ckpt.saver import AsyncSaver, Outcomes, SyncSaver, tracked_name
 from lightning_ckpt.savejob import Prepared
 from lightning_ckpt.shards import ShardWriter
@@ -87,7 +88,7 @@ class CheckpointIOFeatures(Protocol):
 
     def wait(self) -> None: ...
 
-    def fall_back_on_damage(self, path: Any, fallbacks: list[str]) -> None: ...
+    def resume_last(self, found: set[str], depth: int) -> None: ...
 
     def track_frozen(self, module: torch.nn.Module) -> None: ...
 
@@ -246,10 +247,10 @@ class ShardedCheckpointIO(CheckpointIO):
         self._build_savers()
         # Remote checkpoints this process loaded (resumed from), never removed by it (url_key).
         self._loaded_remote: set[str] = set()
-        # Resolved checkpoint -> older intact ones to load instead if it fails verification
-        # (set by ``ShardedModelCheckpoint`` for ``ckpt_path="last"``); see ``load_checkpoint``.
-        self._fallbacks: dict[str, list[str]] = {}
-        self.loaded_instead: tuple[str, str] | None = None  # (asked, loaded) by the last load that fell back
+        # ``ckpt_path="last"`` being resolved: Lightning's ``last`` checkpoints of one local folder
+        # and how deep its templates reach (``resume_last``), until the next load.
+        self._last: tuple[frozenset[str], int] | None = None
+        self.loaded_instead: tuple[str, str] | None = None  # (asked, loaded) by the last load, when they differ
         self.last_stall_seconds: float | None = None  # how long the last save call blocked the caller
         self.part_timeout = float(part_timeout)
         if spread_writes not in (None, True, False):
@@ -438,9 +439,7 @@ class ShardedCheckpointIO(CheckpointIO):
         """Load a directory checkpoint (or a legacy ``.ckpt`` file); see :func:`load_checkpoint`.
 
         Waits for saves still being written, so a checkpoint is never read before it is committed.
-        A checkpoint given fallbacks (``fall_back_on_damage``) that fails verification is skipped
-        with a warning naming the damaged file, for the newest of its fallbacks that loads;
-        ``loaded_instead`` then says which.
+        ``ckpt_path="last"`` loads the newest intact checkpoint of the folder (see ``resume_last``).
         """
         if self.async_save:
             with self._lock:
@@ -450,27 +449,43 @@ class ShardedCheckpointIO(CheckpointIO):
             self._sync.uploader.wait()
             self.keep_loaded(path)
             return load_remote(os.fspath(path), self.remote, map_location, weights_only, self.verify_on_load == "full")
-        candidates = [os.fspath(path), *self._fallbacks.pop(location(path), [])]
+        return self.load_resolved(path, lambda p: load_checkpoint(p, map_location, weights_only, verify=self.verify_on_load == "full"))
+
+    def resume_last(self, found: set[str], depth: int) -> None:
+        """``ckpt_path="last"`` is resolving among ``found``, the ``last`` checkpoints Lightning found
+        in one local folder (its templates reaching ``depth`` folders below it): whichever of them
+        Lightning picks, the next load loads the newest committed and intact checkpoint of that
+        folder instead (``resume.last_good``: damaged newer ones are skipped with a warning naming
+        the damage), and falls back on older ones if the load finds damage the cheap check cannot.
+        ``loaded_instead`` then says which. Every rank calls it alike (``ShardedModelCheckpoint``)."""
+        self._last = (frozenset(location(p) for p in found), depth)
+
+    def load_resolved(self, path: Any, load: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+        """``load`` of ``path``, or, while ``ckpt_path="last"`` resolves to it (``resume_last``), of the
+        newest intact checkpoint of its folder, falling back on older ones (newest first) when one
+        fails verification. Sets ``loaded_instead``. Every rank calls it alike, as Lightning loads."""
+        asked = os.fspath(path)
+        last, self._last = self._last, None
+        candidates, skipped = [asked], []
+        if last is not None and location(path) in last[0]:
+            good = last_good(set(last[0]), last[1])
+            if good is not None:  # else every one is damaged: loading Lightning's pick raises, naming its damage
+                candidates, skipped = [good.path, *good.fallbacks], list(good.skipped)
         self.loaded_instead = None
-        skipped: list[tuple[str, CheckpointError]] = []
         for candidate in candidates:
             try:
-                checkpoint = load_checkpoint(candidate, map_location, weights_only, verify=self.verify_on_load == "full")
+                checkpoint = load(candidate)
             except (CorruptCheckpointError, CheckpointNotFoundError) as err:
                 if candidate is candidates[-1]:
                     raise
                 skipped.append((candidate, err))  # every rank reads the same bytes: all skip it
                 continue
+            if candidate != asked:
+                self.loaded_instead = (asked, candidate)
             if skipped:
-                self.loaded_instead = (candidates[0], candidate)
                 rank_zero_warn(skipped_damaged_message(skipped, candidate))
             return checkpoint
         raise AssertionError("unreachable: the last candidate returns or raises")
-
-    def fall_back_on_damage(self, path: Any, fallbacks: list[str]) -> None:
-        """Let the next ``load_checkpoint(path)`` load the first of ``fallbacks`` (older checkpoints,
-        newest first) that verifies when ``path`` fails verification, instead of raising."""
-        self._fallbacks[location(path)] = list(fallbacks)
 
     def keep_loaded(self, url: Any) -> None:
         """Never remove the remote checkpoint ``url`` from this process: it was loaded (resumed

@@ -265,9 +265,12 @@ def load_in_place(
     io = strategy.checkpoint_io
     if isinstance(io, ShardedCheckpointIO) and is_remote(checkpoint_path):
         return _load_ours(strategy, _local_copy(strategy, io, os.fspath(checkpoint_path)), weights_only)
-    if not is_lightning_ckpt(checkpoint_path):
-        return stock(checkpoint_path, weights_only)
-    return _load_ours(strategy, checkpoint_path, weights_only)
+
+    def load(path: _PATH) -> dict[str, Any]:
+        return _load_ours(strategy, path, weights_only) if is_lightning_ckpt(path) else stock(path, weights_only)
+
+    # ``ckpt_path="last"``: the newest intact checkpoint of the folder (see ``resume_last``).
+    return io.load_resolved(checkpoint_path, load) if isinstance(io, ShardedCheckpointIO) else load(checkpoint_path)
 
 
 def _local_copy(strategy: Strategy, io: Any, url: str) -> str:

@@ -122,3 +122,21 @@ def test_an_intact_last_is_used_without_a_warning(run, recwarn):
     trainer, _ = _fit(run, 2, ckpt_path="last")
     assert trainer.ckpt_path == str(run / "last.ckpt")
     assert not [w for w in recwarn if "damaged" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    ("name", "extension", "folder", "expected"),
+    [
+        ("last", ".ckpt", {"last", "last.ckpt"}, {"last.ckpt"}),
+        ("last", ".ckpt", {"log.txt", "last-v0.ckpt", "last-v1.ckpt"}, {"last-v0.ckpt", "last-v1.ckpt"}),
+        ("other", ".pt", {"log.txt", "last-v0.ckpt", "other-v0.pt", "other-v1.pt"}, {"other-v0.pt", "other-v1.pt"}),
+    ],
+)
+def test_find_last_checkpoints_keeps_lightnings_contract(tmp_path, name, extension, folder, expected):
+    """Every ``last`` file Lightning finds, unfiltered (the damaged-``last`` fallback happens at the load)."""
+    for entry in folder:
+        (tmp_path / entry).touch()
+    callback = lc.ShardedModelCheckpoint(dirpath=tmp_path)
+    callback.CHECKPOINT_NAME_LAST, callback.FILE_EXTENSION = name, extension
+    trainer = Trainer(plugins=[lc.ShardedCheckpointIO()], **trainer_kwargs())
+    assert callback._find_last_checkpoints(trainer) == {str(tmp_path / entry) for entry in expected}
