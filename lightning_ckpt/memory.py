@@ -350,6 +350,13 @@ class MemoryReleaser:
         self._trim: HeapTrim | None = None  # the latest trim: pending (not started) or started
         self._waited = 0.0  # seconds :meth:`before_save` waited, reported with that save
 
+    def __eq__(self, other: object) -> bool:
+        # By value, so the callback holding it compares equal to its pickled copy, as
+        # ``ModelCheckpoint`` does (Lightning's ``test_pickling``).
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable: equal by value, so not hashable
+
     def before_save(self) -> None:
         """Wait for a trim still running (tens of milliseconds per 100 MB at most: this waits only
         when saves come closer together than that)."""

@@ -39,6 +39,12 @@ class SaveRecorder:
         self._awaiting_durable: list[tuple[str, SaveRecord]] = []
         self._awaiting_copy_wait: list[tuple[str, SaveRecord]] = []
 
+    def __eq__(self, other: object) -> bool:
+        # By value, as ``MemoryReleaser``: the callback holding it pickles and compares as ``ModelCheckpoint``.
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    __hash__ = None  # type: ignore[assignment]
+
     def record(
         self,
         trainer: pl.Trainer,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 # A check plans at most 1/this of the remaining time ahead at the measured step time: the save
@@ -17,14 +18,15 @@ from typing import Any
 SLOWDOWN_TOLERANCE = 10
 
 
+@dataclass
 class TimeSchedule:
-    """The time trigger's state: identical on every rank except the clocks (rank 0's)."""
+    """The time trigger's state: identical on every rank except the clocks (rank 0's). Plain data,
+    compared by value (the callback holding it pickles and compares as ``ModelCheckpoint`` does)."""
 
-    def __init__(self) -> None:
-        self.reference = 0.0  # rank 0: when the interval started
-        self.last_check = 0.0  # rank 0: when the last check ran
-        self.steps_to_check = 1
-        self.steps_since_check = 0
+    reference: float = 0.0  # rank 0: when the interval started
+    last_check: float = 0.0  # rank 0: when the last check ran
+    steps_to_check: int = 1
+    steps_since_check: int = 0
 
     def start(self) -> None:
         """Training starts: the interval starts now, and the first step checks."""

@@ -179,3 +179,11 @@ def test_in_one_process_every_save_goes_through_trainer_save_checkpoint(tmp_path
         trainer.fit(TinyRegressor())
         saved[name] = trainer.saved
     assert saved["ours"] == saved["stock"] and len(saved["stock"]) > 2
+
+
+def test_a_pickled_callback_equals_the_original_as_modelcheckpoints_does(tmp_path):
+    """Lightning's ``test_pickling``: spawn strategies and users copy callbacks by pickling them."""
+    import pickle
+
+    for callback in (ModelCheckpoint(dirpath=tmp_path), lc.ShardedModelCheckpoint(dirpath=tmp_path, train_time_interval=None)):
+        assert vars(pickle.loads(pickle.dumps(callback))) == vars(callback)
