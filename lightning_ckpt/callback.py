@@ -46,10 +46,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_ckpt import manifest as fmt
 from lightning_ckpt.compile import install_load_hook, strip_compiled_prefixes
+from lightning_ckpt.errors import CheckpointWriteError
 from lightning_ckpt.io import CheckpointIOFeatures, ShardedCheckpointIO
 from lightning_ckpt.memory import (
     DEFAULT_RELEASE_THRESHOLD_MB,
@@ -64,7 +66,7 @@ from lightning_ckpt.remote import is_remote, url_key
 from lightning_ckpt.resume import listing
 from lightning_ckpt.schedule import TimeSchedule
 from lightning_ckpt.strategies import enable_sharded_checkpoints, prepare_staging, save_from_ranks, sharded_io
-from lightning_ckpt.writer import link_checkpoint
+from lightning_ckpt.writer import link_checkpoint, unwritable
 
 # Checkpoint paths known to exist, per folder (see the module docstring); shared by instances
 # saving into the same folder, and reset from the filesystem at every ``setup``.
@@ -201,9 +203,16 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         # The rank-consistent record of existing checkpoints, from the filesystem (never from an
         # earlier run's memory): one broadcast here, none per save.
         known = self._listing(trainer) if trainer.is_global_zero else []
-        # The same broadcast carries the name multi-rank saves give their shared folders.
-        known, token = trainer.strategy.broadcast((known, secrets.token_hex(8)))
+        # A folder checkpoints cannot be written to fails the fit now, not a save interval later (rank
+        # 0's probe; ranks that write parts probe too). The same broadcast carries the name
+        # multi-rank saves give their shared folders.
+        problem = self._unwritable(trainer, stage) if trainer.is_global_zero else None
+        known, token, problem = trainer.strategy.broadcast((known, secrets.token_hex(8), problem))
         io = sharded_io(trainer.strategy)
+        if problem is None and io is not None and not trainer.is_global_zero:
+            problem = self._unwritable(trainer, stage)
+        if problem is not None:
+            raise CheckpointWriteError(problem, os.fspath(self.dirpath or ""))
         if io is not None:
             io.use_part_token(token)
         plugin = features(trainer.strategy.checkpoint_io)
@@ -221,6 +230,13 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         self._known = record
         if self.compile_safe and self._load_hook is None:
             self._load_hook = install_load_hook(pl_module)
+
+    def _unwritable(self, trainer: pl.Trainer, stage: str) -> str | None:
+        """Why this fit's checkpoints cannot be saved in the local ``dirpath`` (``writer.unwritable``)."""
+        saves = self.save_top_k != 0 or bool(self.save_last)
+        if stage != TrainerFn.FITTING or not saves or self.dirpath is None or is_remote(self.dirpath):
+            return None
+        return unwritable(self.dirpath)
 
     def _listing(self, trainer: pl.Trainer) -> list[str]:
         """What ``dirpath`` holds, as deep as the file name templates reach; a URL listed with the

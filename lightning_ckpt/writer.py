@@ -338,6 +338,28 @@ def write_checkpoint(
     return WriteResult(target, total, time.perf_counter() - start, len(files) + 1, direct, reused_bytes, stored)
 
 
+def unwritable(folder: str | os.PathLike[str]) -> str | None:
+    """Why checkpoints cannot be saved under the local ``folder`` (a file in its way, a read-only or
+    unwritable folder), or ``None``: a probe folder is made and removed in ``folder``, or in its
+    nearest existing parent when it does not exist yet (``folder`` itself is not created: the first
+    save does that). A probe left by a crash is a crashed save's leftover: the next save cleans it."""
+    folder = os.path.abspath(os.fspath(folder))
+    existing = folder
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(errno.ENOTDIR, "a file is in the way", existing)
+        probe = os.path.join(existing, f"{TMP_MARKER}probe-{secrets.token_hex(4)}")
+        os.mkdir(probe)
+        with contextlib.suppress(FileNotFoundError):  # a concurrent save's ``clean_stale`` removed it
+            os.rmdir(probe)
+    except OSError as err:
+        reason = f"[Errno {err.errno}] {err.strerror} ({existing!r})"
+        return f"Checkpoints cannot be saved in {folder!r}: {reason}.{_FIXES.get(err.errno, _NOT_WRITABLE)}"
+    return None
+
+
 def prepare_target(target: str | os.PathLike[str], replaces: bool) -> tuple[str, str]:
     """(absolute target, its folder), the folder created. With ``replaces`` (the process that
     commits): refuse to replace a directory that is not a checkpoint, and clean crashed saves."""
@@ -375,7 +397,10 @@ def write_error(err: BaseException, target: str, writer: str = "Saving checkpoin
 
 _NOT_WRITABLE = " Make that folder writable, or save somewhere else (the callback's `dirpath`)."
 _FULL = " Free space on that filesystem (or keep fewer checkpoints, e.g. a lower `save_top_k`), then save again."
+_IN_THE_WAY = " Move that file away, or save somewhere else (the callback's `dirpath`)."
 _FIXES = {
+    errno.ENOTDIR: _IN_THE_WAY,
+    errno.EEXIST: _IN_THE_WAY,
     errno.EROFS: _NOT_WRITABLE,
     errno.EACCES: _NOT_WRITABLE,
     errno.EPERM: _NOT_WRITABLE,

@@ -187,3 +187,25 @@ def test_a_pickled_callback_equals_the_original_as_modelcheckpoints_does(tmp_pat
 
     for callback in (ModelCheckpoint(dirpath=tmp_path), lc.ShardedModelCheckpoint(dirpath=tmp_path, train_time_interval=None)):
         assert vars(pickle.loads(pickle.dumps(callback))) == vars(callback)
+
+
+@pytest.mark.parametrize("below", ["", "sub"], ids=["dirpath-is-a-file", "file-above-dirpath"])
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_dirpath_that_cannot_be_written_fails_before_training(tmp_path, below, async_save):
+    """Found at setup with the message a save would give, not a save interval (async: two) later."""
+    in_the_way = tmp_path / "taken"
+    in_the_way.write_text("a file, not a folder")
+    callback = lc.ShardedModelCheckpoint(dirpath=in_the_way / below if below else in_the_way, every_n_train_steps=2)
+    seed_everything(0)
+    trainer = Trainer(max_epochs=1, callbacks=[callback], plugins=[lc.ShardedCheckpointIO(async_save=async_save)], **trainer_kwargs())
+    with pytest.raises(lc.CheckpointWriteError, match=r"cannot be saved in .*taken.*Move that file away.*`dirpath`"):
+        trainer.fit(TinyRegressor())
+    assert trainer.global_step == 0
+    assert in_the_way.read_text() == "a file, not a folder"
+
+
+def test_a_writable_dirpath_is_not_created_before_the_first_save(tmp_path):
+    """The probe leaves nothing behind: no folder for a run that never saves, as ModelCheckpoint."""
+    callback = lc.ShardedModelCheckpoint(dirpath=tmp_path / "new" / "ckpts", save_top_k=1, every_n_train_steps=10_000)
+    _fit(callback, plugins=[lc.ShardedCheckpointIO()], max_steps=2)
+    assert not (tmp_path / "new").exists()

@@ -97,3 +97,25 @@ def test_background_digest_hurry_hashes_the_rest_while_the_idle_thread_is_starve
     assert digest._done == size  # hashed by the helper alone, the idle thread still held
     gate.set()
     assert digest.finish() == fmt.digest(memoryview(buffer)[:size])
+
+
+def test_unwritable_probes_without_leaving_anything(tmp_path):
+    from lightning_ckpt.writer import unwritable
+
+    assert unwritable(tmp_path / "a" / "b") is None and os.listdir(tmp_path) == []
+    (tmp_path / "file").write_text("x")
+    assert "a file is in the way" in unwritable(tmp_path / "file" / "ckpts")
+
+
+def test_unwritable_names_a_read_only_filesystem(tmp_path):
+    from lightning_ckpt.writer import unwritable
+
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
+    try:
+        message = unwritable(mount / "ckpts")
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+    assert "Read-only file system" in message and "Make that folder writable" in message
