@@ -170,6 +170,7 @@ class DcpAsync(Contender):
     """
 
     asynchronous = True
+    exit_timeout = 60.0  # seconds teardown waits for DCP's daemon to exit before killing it
 
     def __init__(self, run_dir: str, device: str = "cpu", checkpointer: str = "thread", async_staging: bool = False) -> None:
         super().__init__()
@@ -253,6 +254,21 @@ class DcpAsync(Contender):
         pid = getattr(getattr(daemon, "_save_process", None), "pid", None)
         return [] if pid is None else [pid]
 
+    def _reap(self, process: Any) -> None:
+        """Wait for DCP's daemon to exit, SIGKILL it after ``exit_timeout`` seconds, and reap it.
+
+        DCP's ``__del__`` gives up after a 5 s join and leaves the daemon running (or a zombie)
+        after its SIGTERM: a loaded machine ends a torch process slower than that. Invariant after
+        ``teardown``: no helper process of this contender exists (``helpers_alive_after_teardown``).
+        """
+        if process is None:
+            return
+        process.join(timeout=self.exit_timeout)
+        if process.is_alive():
+            self.notes.append(f"DCP's checkpoint daemon (pid {process.pid}) outlived {self.exit_timeout:.0f} s: SIGKILLed")
+            process.kill()
+            process.join()
+
     @staticmethod
     def _daemon() -> Any:
         # DCP keeps its checkpoint daemon in a module global (torch 2.13 internals; None if absent)
@@ -270,8 +286,9 @@ class DcpAsync(Contender):
             self.stager.close()
             if self.process:
                 daemon = self._daemon()
-                if daemon is not None:  # ends the daemon (TERMINATE, join, SIGTERM after 5 s)
-                    daemon.__del__()
+                if daemon is not None:
+                    daemon.__del__()  # DCP's own ending: TERMINATE, a join of 5 s, then SIGTERM
+                    self._reap(getattr(daemon, "_save_process", None))
                     from torch.distributed.checkpoint import _async_process_executor as executor
 
                     executor._CHECKPOINT_PROCESS = None
