@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-newest test-all bench clean parity
+.PHONY: install demo test test-newest test-all bench clean parity gpu-check
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,22 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m lightning_ckpt bench --json docs/bench-results.json
+
+# Every CUDA path and GPU figure in one command, for a borrowed GPU machine (docs/benchmarks.md,
+# "On a GPU"): the GPU test tier and the GPU benchmarks, each step with its own timeout, in under
+# 10 minutes on one H100; results in $(OUT)/ (gpu-check.json, .md, .log, gpu-check-reports.json).
+# Where $(PYTHON) already has torch and lightning (the GPU image: no network, no venv) it runs from
+# the source tree; elsewhere from $(VENV), where without CUDA every step is skipped in seconds.
+#   make gpu-check [OUT=folder] [GPU_CHECK_ARGS="--steps gpu-tests,async-saves --timeout-scale 2"]
+OUT ?= gpu-check
+GPU_CHECK_ARGS ?=
+gpu-check:
+	@if $(PYTHON) -c "import torch, lightning" >/dev/null 2>&1; then \
+		echo "gpu-check: $(PYTHON) from the source tree (PYTHONPATH=.)"; \
+		PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) -m benchmarks.gpu_check --out "$(OUT)" $(GPU_CHECK_ARGS); \
+	else \
+		$(MAKE) -s --no-print-directory $(STAMP) && $(PY) -m benchmarks.gpu_check --out "$(OUT)" $(GPU_CHECK_ARGS); \
+	fi
 
 # Lightning's own checkpoint tests, stock and with our callback / CheckpointIO (tests/parity/run.py).
 # Not part of `test`. No PyPI sdist ships Lightning's tests, so they come from a clone:
