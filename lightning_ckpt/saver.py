@@ -175,6 +175,8 @@ class AsyncSaver:
         self.skipped_saves = 0
         self.overlap = False  # inside ``ShardedCheckpointIO.overlapping()`` with ``overlap_copies``
         outcomes.collectors.append(self.collect)
+        # Async mode: warmed up by the process's first optimizer steps (``warm_up``).
+        self.warmed = not track_optimizers
         if track_optimizers:
             _track_optimizers()
         _async_savers.add(self)
@@ -351,6 +353,27 @@ class AsyncSaver:
             if self.pending is None and not self.worker.busy:  # never under a save in flight
                 self.pool.reserve(wanted, pin=on_device)
 
+    def warm_up(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before an optimizer step, until done (async mode): start the writer process at the
+        process's first step, and at the next one, once ``optimizer`` has state, fault in the
+        staging pool for its parameters and state (``prepare_staging``). The first save then
+        neither waits for the writer's start-up nor stalls on a fresh pool: Fabric's, or a
+        Trainer's without ``ShardedModelCheckpoint`` (which prepares for the whole state itself).
+        Under torch.distributed only rank 0 starts its writer, and no pool is prepared: the other
+        ranks of a DDP run may never save, and each rank's share of a save is the plan's to know."""
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if not optimizer.state or distributed:  # a first step: the state does not exist yet
+            self.warmed = distributed
+            if not distributed or torch.distributed.get_rank() == 0:
+                with self.lock:
+                    self.worker.ensure_started()
+            return
+        self.warmed = True
+        tensors = [p for group in optimizer.param_groups for p in group["params"]]
+        tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        local = [getattr(t, "_local_tensor", t) for t in tensors]  # a DTensor's shard on this rank
+        self.prepare_staging(sum(t.nbytes for t in local), on_device=any(t.is_cuda for t in local))
+
     def copy_wait_seconds(self, path: Any) -> float | None:
         """How long the training stream idled (GPU time) for the device copies of the latest async
         save to ``path``: a cost of that save beyond its call. ``None`` until known; 0 for a save
@@ -508,7 +531,11 @@ def _before_optimizer_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[s
     given a closure (Lightning's automatic optimization runs forward and backward inside it), once
     the closure has run."""
     _stepping.add(optimizer)
-    waiting = [saver for saver in list(_async_savers) if saver.pending is not None]
+    savers = list(_async_savers)
+    for saver in savers:
+        if not saver.warmed:
+            saver.warm_up(optimizer)
+    waiting = [saver for saver in savers if saver.pending is not None]
     if not waiting:
         return None
 

@@ -163,3 +163,34 @@ def test_the_sharded_strategies_take_only_our_plugin_and_default_to_it():
         with pytest.raises(TypeError, match=r"saves through `lightning_ckpt.ShardedCheckpointIO`, got `TorchCheckpointIO`"):
             strategy.checkpoint_io = TorchCheckpointIO()
     assert lc.ShardedFabricFSDPStrategy()._state_dict_type == "sharded"
+
+
+def test_an_async_plugin_is_warmed_up_by_the_first_optimizer_steps_before_any_save(tmp_path):
+    """The writer process starts at the first step and the staging pool holds the parameters and
+    optimizer state after the second, so Fabric's first save (and the load after it) does not pay
+    for the writer's start-up or a fresh pool."""
+    io = lc.ShardedCheckpointIO(async_save=True)
+    try:
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[io])
+        model, optimizer = _setup(fabric)
+        assert io.async_saver.worker.pid is None and io.async_saver.pool.nbytes == 0
+        _train(fabric, model, optimizer, 1)
+        assert io.async_saver.worker.pid is not None and io.async_saver.pool.nbytes == 0
+        _train(fabric, model, optimizer, 1)
+        state_bytes = sum(p.nbytes * 3 for p in model.parameters())  # parameters and AdamW's two moments
+        assert io.async_saver.pool.nbytes >= state_bytes
+        saved = _snapshot(model, optimizer)
+        fabric.save(tmp_path / "warm.ckpt", {"model": model, "optimizer": optimizer})
+        model2, optimizer2 = _setup(fabric, seed=5)
+        fabric.load(tmp_path / "warm.ckpt", {"model": model2, "optimizer": optimizer2})
+        assert _same(_snapshot(model2, optimizer2), saved)
+    finally:
+        io.teardown()
+
+
+def test_a_sync_plugin_starts_nothing_at_optimizer_steps():
+    io = lc.ShardedCheckpointIO()
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[io])
+    model, optimizer = _setup(fabric)
+    _train(fabric, model, optimizer, 2)
+    assert io.async_saver.worker.pid is None and io.async_saver.pool.nbytes == 0
