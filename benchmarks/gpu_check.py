@@ -85,7 +85,8 @@ class Step:
     """One step: ``argv`` after the Python executable, with ``{work}`` (the step's temporary
     folder, also its working directory) and ``{json}`` (where its report is asked for) filled in
     at run time; ``parse`` reads the figures from what it produced. ``cuda``: skipped without a
-    CUDA device."""
+    CUDA device. ``from_root``: runs in the repository root instead of its folder (pytest prints
+    test ids relative to where it runs), for a program that writes nothing where it runs."""
 
     name: str
     what: str
@@ -93,6 +94,7 @@ class Step:
     timeout_s: float
     parse: Callable[[Produced], Parsed]
     cuda: bool = True
+    from_root: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,7 +314,7 @@ def parse_pytest(produced: Produced) -> Parsed:
             reason = case["message"].strip()[:200] or "(no reason)"
             reasons[reason] = reasons.get(reason, 0) + 1
     figures["skip_reasons"] = reasons
-    timed = sorted((c for c in cases if c["seconds"]), key=lambda c: -c["seconds"])
+    timed = sorted((c for c in cases if (c["seconds"] or 0) >= 0.05), key=lambda c: -c["seconds"])
     figures["slowest"] = [[c["test"], round(c["seconds"], 1)] for c in timed[:8]]
     n = figures["counts"]
     summary = f"{n['passed']} passed, {n['failed']} failed, {n['error']} errors, {n['skipped']} skipped"
@@ -556,7 +558,9 @@ def build_steps(env: dict[str, Any]) -> list[Step]:
             ("-m", "pytest", "-m", "gpu", str(ROOT / "tests" / "gpu"), "-v", "--tb=short", "-rfE",
              "-p", "no:cacheprovider", "--basetemp={work}/pytest", "-o", "junit_family=xunit1",
              "--junitxml={work}/junit.xml", *per_test),
-            240, parse_pytest,
+            # from the root: ids as tests/gpu/...; nothing lands there (no cache, its temporary
+            # folders under --basetemp, no bytecode; each test runs in its own tmp_path)
+            240, parse_pytest, from_root=True,
         ),
         Step(
             "async-saves",
@@ -637,7 +641,8 @@ def run_step(step: Step, timeout_s: float, work: Path, log: Callable[[str, str],
     folder.mkdir(parents=True, exist_ok=True)
     json_path = folder / "report.json"
     argv = [sys.executable, *_fill(step.argv, folder, json_path)]
-    outcome = run_command(argv, timeout_s, folder, step_env(work), folder / "output.txt")
+    cwd = ROOT if step.from_root else folder
+    outcome = run_command(argv, timeout_s, cwd, step_env(work), folder / "output.txt")
     report = None
     if json_path.is_file():
         with contextlib.suppress(ValueError):
@@ -656,7 +661,7 @@ def run_step(step: Step, timeout_s: float, work: Path, log: Callable[[str, str],
         reason = f"{reason}; {parsed.problem}" if reason else parsed.problem
     if status == "passed" and parsed.nothing_ran:
         status, reason = "skipped", parsed.nothing_ran
-    log(step.name, f"$ {shlex.join(argv)}\n(cwd {folder}; {status} after {outcome.seconds:.1f} s"
+    log(step.name, f"$ {shlex.join(argv)}\n(cwd {cwd}; {status} after {outcome.seconds:.1f} s"
                    f" of {timeout_s:g} s{'; ' + reason if reason else ''})\n\n{_capped(outcome.output)}")
     return {
         "name": step.name,

@@ -131,7 +131,7 @@ def _pytest_step(test_file: Path, timeout_s: float) -> gpu_check.Step:
     (step,) = [s for s in gpu_check.build_steps({}) if s.name == "gpu-tests"]
     argv = tuple(str(test_file) if a == str(ROOT / "tests" / "gpu") else a for a in step.argv)
     assert argv != step.argv
-    return gpu_check.Step(step.name, step.what, argv, timeout_s, step.parse, cuda=False)
+    return gpu_check.Step(step.name, step.what, argv, timeout_s, step.parse, cuda=False, from_root=step.from_root)
 
 
 def test_test_results_come_from_the_junit_file_with_the_failures_and_their_tracebacks(tmp_path: Path) -> None:
