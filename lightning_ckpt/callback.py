@@ -13,7 +13,8 @@ take alike are taken locally:
   ``sync_dist=True`` (and not ``rank_zero_only``), a torchmetrics ``Metric``, ``epoch``/``step``,
   or a single process. Otherwise it falls back to Lightning's all-reduce;
 * ``save_last="link"`` links without a barrier;
-* ``train_time_interval``: rank 0 decides at scheduled check steps only, and broadcasts the
+* ``train_time_interval`` with several ranks (one process runs Lightning's own trigger, whose
+  broadcast is free there): rank 0 decides at scheduled check steps only, and broadcasts the
   decision together with the number of steps until the next check, planned from the measured
   step time so that the check lands before the deadline even if steps become
   ``schedule.SLOWDOWN_TOLERANCE`` times slower (``schedule.TimeSchedule``).
@@ -286,7 +287,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             self._staging_prepared = True  # after the first optimizer step: its state exists now
             prepare_staging(trainer, pl_module)
         with self._save_step(trainer), self._between_steps(trainer):
-            if interval is None:
+            if interval is None or trainer.world_size == 1:  # one process: Lightning's broadcast is free
                 super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
                 return
             # Lightning's time trigger broadcasts every batch. Decide here instead, then let

@@ -209,3 +209,18 @@ def test_a_writable_dirpath_is_not_created_before_the_first_save(tmp_path):
     callback = lc.ShardedModelCheckpoint(dirpath=tmp_path / "new" / "ckpts", save_top_k=1, every_n_train_steps=10_000)
     _fit(callback, plugins=[lc.ShardedCheckpointIO()], max_steps=2)
     assert not (tmp_path / "new").exists()
+
+
+def test_in_one_process_the_time_trigger_reads_lightnings_clock(tmp_path):
+    """As Lightning's own test mocks it: ``lightning.pytorch.callbacks.model_checkpoint.time``."""
+    from datetime import timedelta
+    from unittest import mock
+
+    kept = {}
+    for name, callback in (("stock", ModelCheckpoint), ("ours", lc.ShardedModelCheckpoint)):
+        with mock.patch("lightning.pytorch.callbacks.model_checkpoint.time") as clock:
+            clock.monotonic.side_effect = [7.0 * i for i in range(2 * STEPS_PER_EPOCH + 1)]
+            folder = tmp_path / name
+            _fit(callback(dirpath=folder, train_time_interval=timedelta(seconds=20), save_top_k=-1), epochs=2)
+        kept[name] = _checkpoints(folder)
+    assert kept["ours"] == kept["stock"] and len(kept["stock"]) >= 2
