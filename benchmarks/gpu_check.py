@@ -498,11 +498,20 @@ def parse_offload_largest(produced: Produced) -> Parsed:
     return Parsed(figures, summary)
 
 
+_ACTIVATIONS_LINE = re.compile(r"(cpu|cuda) ([a-z0-9, ]+?) \(repeat \d+/\d+\): peak activations (\d+) MB")
+
+
 def parse_activations(produced: Produced) -> Parsed:
     """``--mode activations --device cuda``: peak activation memory and step time per
-    configuration, and the issue's targets."""
+    configuration, and the issue's targets; the memory of each configuration from the progress
+    lines when the run was cut short (each is logged as its process ends)."""
     figures: Figures = {}
     problems = []
+    if produced.report is None:
+        logged = {f"{device} {name}": int(mb) for device, name, mb in _ACTIVATIONS_LINE.findall(produced.output)}
+        if logged:
+            figures["peak_activation_mb_so_far"] = logged
+            return Parsed(figures, "cut short; peak activations " + ", ".join(f"{k}: {v} MB" for k, v in logged.items()))
     for result in _rows(produced.report):
         off = result["summary"].get("off")
         figures[result["device"]] = {

@@ -197,3 +197,28 @@ def test_the_figures_are_read_from_the_benchmarks_recorded_reports(parse, report
     for key in figure:
         value = value[key]
     assert value is not None and parsed.summary and parsed.problem is None
+
+
+def test_a_benchmark_cut_short_still_gives_the_figures_of_its_progress_lines() -> None:
+    """Lines as ``--mode offload --largest`` and ``--mode activations`` log them (copied from CPU
+    runs), with no report: the search or the run was stopped at its timeout."""
+    largest = (
+        "09:39:58 strategy 1 layers (0.26M params): trains: 0.024 s/step\n"
+        "09:40:00 strategy 2 layers (0.46M params): trains: 0.029 s/step\n"
+        "09:40:03 resident 1 layers (0.26M params): trains: 0.013 s/step\n"
+        "09:40:05 resident 2 layers (0.46M params): peak device memory 63.033 MiB over the budget (61.035 MiB)\n"
+        "09:40:07 strategy 4 layers (0.85M params): trains: 0.105 s/step\n"
+    )
+    parsed = gpu_check.parse_offload_largest(gpu_check.Produced(largest, None, ROOT))
+    assert parsed.figures["largest_so_far"] == {"strategy": 4, "resident": 1}
+    assert parsed.figures["probes"]["resident"][1] == [2, 0.46, "peak device memory 63.033 MiB over the budget (61.035 MiB)"]
+
+    activations = (
+        "09:46:51 cuda off (repeat 1/1): peak activations 4590 MB\n"
+        "09:47:02 cuda every layer (repeat 1/1): peak activations 650 MB\n"
+        "09:47:20 cuda selective, every other matmul (repeat 1/1): peak activations 2733 MB\n"
+    )
+    parsed = gpu_check.parse_activations(gpu_check.Produced(activations, None, ROOT))
+    assert parsed.figures["peak_activation_mb_so_far"] == {
+        "cuda off": 4590, "cuda every layer": 650, "cuda selective, every other matmul": 2733,
+    }
