@@ -35,7 +35,8 @@ class CorruptCheckpointError(CheckpointError):
 
 
 class UnsupportedFormatError(CheckpointError):
-    """The checkpoint was written in a format version this release of lightning_ckpt cannot read."""
+    """The path is in no format this release of lightning_ckpt reads: a newer format version, or a
+    file that is not a checkpoint at all (neither ``torch.save``'s nor ours)."""
 
 
 class UnsafeCheckpointError(CheckpointError):

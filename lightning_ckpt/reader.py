@@ -34,6 +34,7 @@ from lightning_ckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     UnsafeCheckpointError,
+    UnsupportedFormatError,
 )
 from lightning_ckpt.plan import contiguous_strides, decode_tree, format_key_path
 
@@ -517,8 +518,40 @@ def _unpickle(data: bytes, at: tuple[Any, ...], path: str, map_location: MapLoca
         ) from err
 
 
+# How the files ``torch.load`` reads begin: a zip archive (``torch.save``'s format since torch 1.6,
+# TorchScript archives too), a pickle of protocol 2 or more (``_use_new_zipfile_serialization=False``:
+# torch's magic number pickled first) or, at offset 257, a tar archive (torch before 0.4).
+_ZIP_MAGIC = b"PK\x03\x04"
+_PICKLE_PROTO = b"\x80"
+_TAR_MAGIC, _TAR_AT = b"ustar", 257
+
+
+def check_torch_file(path: str) -> None:
+    """Raise ``UnsupportedFormatError`` when the file ``path`` cannot be a ``torch.save`` file.
+
+    Without this, ``torch.load`` of a text or random file reports an unpickling detail
+    ("Weights only load failed ... Unsupported operand 103"). A file that begins as torch's
+    formats do is left to ``torch.load``, whose errors (a weights-only refusal, a truncated
+    archive) then say what is wrong with that real file.
+    """
+    with open(path, "rb") as f:
+        head = f.read(_TAR_AT + len(_TAR_MAGIC))
+    if head.startswith((_ZIP_MAGIC, _PICKLE_PROTO)) or head[_TAR_AT:] == _TAR_MAGIC:
+        return
+    what = "an empty file" if not head else f"a file beginning with {head[:16]!r}"
+    raise UnsupportedFormatError(
+        f"{path!r} is not a checkpoint: {what}, not a file written by torch.save. lightning_ckpt reads a"
+        f" checkpoint directory written by lightning_ckpt (with its {fmt.MANIFEST_FILE}), a single file"
+        " written by torch.save (Lightning's default .ckpt) and a torch.distributed.checkpoint (DCP)"
+        " folder. Check the path you passed (e.g. `ckpt_path`).",
+        path,
+    )
+
+
 def load_legacy(path: str, map_location: MapLocation, weights_only: bool | None) -> Any:
-    """A single-file checkpoint, loaded as Lightning's ``TorchCheckpointIO`` does."""
+    """A single-file checkpoint, loaded as Lightning's ``TorchCheckpointIO`` does; a file that is
+    none of torch's formats raises ``UnsupportedFormatError`` (``check_torch_file``)."""
+    check_torch_file(path)
     location: Any = (lambda storage, loc: storage) if map_location is None else map_location
     with open(path, "rb") as f:
         return torch.load(f, map_location=location, weights_only=weights_only)
