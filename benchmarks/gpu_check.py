@@ -116,7 +116,8 @@ class Outcome:
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM to the step's process group, SIGKILL after 3 s: its forked measurement processes
-    go with it (a benchmark's writer process starts its own session and exits with its parent)."""
+    go with it (an async save's writer process has a session of its own and exits when its socket to
+    the killed process closes)."""
     for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0)):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, sig)
