@@ -12,7 +12,7 @@ Lightning or touches a tensor.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -53,6 +53,7 @@ def plan_offload(
     prefetch: int = 0,
     together: Sequence[Sequence[int]] = (),
     activation_peak: int = 0,
+    single: Mapping[int, str] | None = None,
 ) -> OffloadPlan:
     """Choose resident chunks and the slot count for ``budget`` bytes.
 
@@ -64,7 +65,9 @@ def plan_offload(
     once (a checkpointed block recomputed in backward); each counts as one more unit. Raises
     :class:`OffloadBudgetError` naming the unit (or set) that does not fit. ``activation_peak``:
     the step's peak activation bytes where it is above every unit's (e.g. in the loss after the
-    last unit).
+    last unit). ``single``: the chunks holding one parameter each, with its name; a parameter is
+    never split, so no ``chunk_size`` makes such a chunk (and the slot streaming it) smaller, and
+    the error names the parameter when it alone is what the budget cannot hold.
     """
     activation = list(activation) if activation is not None else [0] * len(units)
     units = list(units)
@@ -88,16 +91,43 @@ def plan_offload(
     min_slots = max(per_unit, default=0)
     floor = resident_bytes + min_slots * slot_bytes + peak_activation
     if floor > budget:
+        single = single or {}
+        # The largest streamed parameter that is a chunk of its own: one slot of its size whatever
+        # ``chunk_size``. When that slot alone breaks the budget, the parameter is the blocker.
+        alone = max((c for c in streamed if c in single), key=lambda c: (chunk_bytes[c], -c), default=None)
+        least = resident_bytes + peak_activation + (chunk_bytes[alone] if alone is not None else 0)
+        if alone is not None and least > budget:
+            most = units[per_unit.index(min_slots)].name  # the unit needing the most slots
+            layout = (
+                f", and {floor} bytes with this one ({min_slots} slots of {slot_bytes} bytes for unit {most!r}; a larger"
+                " `chunk_size` packing its parameters into fewer chunks needs fewer slots)"
+                if floor > least
+                else ""
+            )
+            raise OffloadBudgetError(
+                f"ChunkedOffloadStrategy: `device_memory_budget={budget}` bytes cannot hold parameter"
+                f" {single[alone]!r}: it takes {chunk_bytes[alone]} bytes on its own, and a parameter is never split"
+                " across chunks, so the slot streaming it is that large whatever `chunk_size` is. With"
+                f" {resident_bytes} bytes of resident chunks and {peak_activation} bytes of peak activations the run"
+                f" needs at least {least} bytes whatever `chunk_size` is{layout}. Raise `device_memory_budget` to at"
+                f" least {floor} bytes; lowering `chunk_size` cannot help."
+            )
         own = [sum(chunk_bytes[c] for c in set(unit.chunks) - resident) for unit in units]
         worst = max(range(len(units)), key=lambda u: (own[u] + activation[u], -u))
         unit = units[worst]
+        largest = max(streamed, key=lambda c: (chunk_bytes[c], -c))  # its size is the slots'
+        fix = (
+            f"or name smaller units (`unit_types`); lowering `chunk_size` cannot shrink the slots: parameter"
+            f" {single[largest]!r} alone fills {slot_bytes} bytes"
+            if largest in single
+            else "lower `chunk_size`, or name smaller units (`unit_types`)"
+        )
         raise OffloadBudgetError(
             f"ChunkedOffloadStrategy: `device_memory_budget={budget}` bytes cannot hold unit {unit.name!r}:"
             f" its parameter chunks take {own[worst]} bytes and its activations {activation[worst]} bytes; with"
             f" {min_slots} streaming slot(s) of {slot_bytes} bytes (each as large as the largest streamed chunk),"
             f" {resident_bytes} bytes of resident chunks and {peak_activation} bytes of peak activations the run"
-            f" needs {floor} bytes. Raise `device_memory_budget`, lower `chunk_size`, or name smaller units"
-            " (`unit_types`)."
+            f" needs {floor} bytes. Raise `device_memory_budget`, {fix}."
         )
     want = min_slots
     for i in range(len(trace)):

@@ -166,6 +166,16 @@ class Streamer:
             Unit(name, tuple(sorted({layout.place_of(p)[0] for p in ps})))
             for (name, _), ps in zip(self.unit_modules, self.unit_params)
         ]
+        names: dict[int, str] = {}  # parameter -> its name under the first unit holding it (all a streamed one can have)
+        for unit, module in self.unit_modules:
+            for name, p in module.named_parameters():
+                names.setdefault(id(p), f"{unit}.{name}" if unit else name)
+        # Chunks of one parameter (never split): named in the plan's budget errors.
+        self.single = {
+            spec.index: names.get(id(params[spec.slots[0].param]), f"parameter {spec.slots[0].param}")
+            for spec in self.specs
+            if len(spec.slots) == 1
+        }
         self._uses: list[list[int]] = [[] for _ in self.specs]  # trace positions using each chunk
         for i, u in enumerate(self.trace):
             for c in self.units[u].chunks:
@@ -197,11 +207,11 @@ class Streamer:
 
     def _plan(self) -> OffloadPlan:
         if self.warming_up:
-            return plan_offload(self.chunk_nbytes, self.units, self.budget, together=self.groups)
+            return plan_offload(self.chunk_nbytes, self.units, self.budget, together=self.groups, single=self.single)
         return plan_offload(
             self.chunk_nbytes, self.units, self.budget,
             trace=self.trace, activation=self.unit_activation, prefetch=self.prefetch, together=self.groups,
-            activation_peak=self.traced_activation_peak,
+            activation_peak=self.traced_activation_peak, single=self.single,
         )
 
     def set_groups(self, groups: list[tuple[int, ...]]) -> None:

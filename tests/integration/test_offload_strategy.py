@@ -220,6 +220,18 @@ def test_a_budget_below_one_unit_fails_at_setup_naming_the_unit_and_bytes():
         fit(strategy)
 
 
+def test_a_parameter_larger_than_the_budget_allows_is_named_not_chunk_size():
+    # Each 64 KiB weight is larger than a 16 KiB chunk: a chunk (and a slot) of its own.
+    strategy = lc.ChunkedOffloadStrategy(device_memory_budget=40_000, chunk_size="16KiB")
+    with pytest.raises(
+        lc.OffloadBudgetError,
+        match=r"`device_memory_budget=40000` bytes cannot hold parameter 'layers\.0\.weight': it takes 65536 bytes"
+        r" on its own.* needs at least 65536 bytes whatever `chunk_size` is, and 131072 bytes with this one"
+        r".* Raise `device_memory_budget` to at least 131072 bytes; lowering `chunk_size` cannot help",
+    ):
+        fit(strategy)
+
+
 def test_more_than_one_device_fails_at_setup_naming_the_devices():
     with pytest.raises(ValueError, match=r"trains on one device, but the Trainer was given 2 .*Pass `devices=1`"):
         fit(offload(), devices=2)

@@ -48,6 +48,28 @@ def test_budget_too_small_names_the_unit_and_the_bytes():
         plan_offload(CHUNKS, UNITS, 200, trace=TRACE, activation=[10, 20, 90, 40])
 
 
+def test_a_parameter_the_budget_cannot_hold_is_named_with_the_budget_it_needs():
+    # Chunks 0-3 each hold one parameter (never split): no chunk_size shrinks their slot.
+    single = {c: f"u{c}.weight" for c in range(4)}
+    with pytest.raises(
+        OffloadBudgetError,
+        match=r"`device_memory_budget=150` bytes cannot hold parameter 'u0\.weight': it takes 100 bytes on its own"
+        r".* needs at least 190 bytes whatever `chunk_size` is\. Raise `device_memory_budget` to at least 190 bytes;"
+        r" lowering `chunk_size` cannot help",
+    ):
+        plan_offload(CHUNKS, UNITS, 150, trace=TRACE, activation=[10, 20, 40, 10], single=single)
+    # Without the names (chunks of several parameters) the advice stays to lower chunk_size.
+    with pytest.raises(OffloadBudgetError, match=r"lower `chunk_size`"):
+        plan_offload(CHUNKS, UNITS, 150, trace=TRACE, activation=[10, 20, 40, 10])
+
+
+def test_slots_sized_by_one_parameter_are_not_blamed_on_chunk_size():
+    # One slot of the 100-byte parameter fits; the unit's two slots do not.
+    with pytest.raises(OffloadBudgetError, match=r"needs 200 bytes\. .*cannot shrink the slots: parameter 'a\.w' alone fills 100 bytes") as info:
+        plan_offload([100, 30], [Unit("a", (0, 1))], 150, single={0: "a.w"})
+    assert "lower `chunk_size`" not in str(info.value)
+
+
 def test_plans_stay_within_the_budget():
     rng = random.Random(0)
     for _ in range(300):
