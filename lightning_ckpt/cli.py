@@ -58,6 +58,18 @@ _CONVERT_TARGETS = ("directory", "file")
 _STORAGE_OPTIONS_EXAMPLE = """For example: --storage-options '{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}'."""
 
 
+# Off a terminal nothing bounds a line: wide enough that no table column is cut and no line wraps.
+_UNBOUNDED_WIDTH = 100_000
+
+
+def _stdout_console() -> Console:
+    """Rich's console for stdout. Piped or redirected, rich would fit the output to 80 columns (or
+    ``COLUMNS``, or the size of a terminal on another stream), cutting file names in the tables
+    with "…": there lines are as long as their content, for ``grep`` and ``awk``."""
+    console = Console()
+    return console if console.is_terminal else Console(width=_UNBOUNDED_WIDTH)
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -422,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = parser.parse_args(argv)
     options = remote.RemoteOptions(storage_options=args.storage_options)
-    console = Console()
+    console = _stdout_console()
     err = Console(stderr=True)
     try:
         if args.command == "inspect":

@@ -31,6 +31,25 @@ def test_inspect_and_verify(tmp_path, capsys):
     assert "all checksums match" in capsys.readouterr().out
 
 
+def test_inspect_piped_cuts_no_file_name(tmp_path):
+    # Piped, rich fitted the tables to 80 columns (COLUMNS here: a narrow stand-in for any width)
+    # and cut names with "…": a name or a path must come out whole for grep and awk.
+    _checkpoint(tmp_path)
+    path = str(tmp_path / "c.ckpt")
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_ckpt", "inspect", path],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "40"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert path in lines and "…" not in proc.stdout, proc.stdout
+    for name in read_manifest(path).files:
+        assert any(f" {name} " in line for line in lines), (name, proc.stdout)
+
+
 def test_verify_names_the_damaged_file_and_exits_non_zero(tmp_path, capsys):
     _checkpoint(tmp_path)
     shard = tmp_path / "c.ckpt" / "model-00001-of-00001.safetensors"
