@@ -210,23 +210,36 @@ def _fmt(value: float | None, unit: str = "", digits: int = 2) -> str:
 
 
 def save_line(record: SaveRecord) -> str:
-    """One concise rich-markup line for a save."""
-    size = "-" if record.nbytes is None else f"{record.nbytes / 1e9:.2f} GB"
+    """One rich-markup line for a save, every figure labelled, about 100 columns wide with
+    Lightning's default names. The step is named where the checkpoint's name does not already say
+    it; a figure an async save learns later (its size, when it is durable) reads "pending" (the
+    ``ckpt/...`` metrics and the summary table get it once known)."""
+    name = os.path.basename(record.path)
+    step = "" if f"step={record.global_step}" in name else f" (step {record.global_step})"
+    size = "pending" if record.nbytes is None else _size(record.nbytes)
+    durable = "pending" if record.durable_s is None else _seconds(record.durable_s)
     return (
-        f"[bold]ckpt[/bold] step {record.global_step} → {os.path.basename(record.path)}: {size},"
-        f" stall {_fmt(record.stall_s, ' s', 3)}, durable {_fmt(record.durable_s, ' s')},"
-        f" RSS {record.host_rss_before / 1e9:.2f} → {record.host_rss_after / 1e9:.2f} GB,"
-        f" heap left {record.heap_left_bytes / 1e9:.2f} GB ({_release_text(record)})"
+        f"[bold]ckpt[/bold] {name}{step}: size {size}, stall {_seconds(record.stall_s)}, durable {durable},"
+        f" {_release_text(record)}"
     )
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.0f} MB"
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.0f} ms" if seconds >= 0.01 else f"{seconds * 1e3:.1f} ms"
+
+
 def _release_text(record: SaveRecord) -> str:
-    """What the release did with the heap: skipped, trimming (in the background), or the bytes."""
+    """The freed heap the save left resident and what the release did with it: left untrimmed,
+    trimming (in the background), or the bytes the trim gave back."""
     if record.release_skipped:
-        return "not trimmed"
+        return f"untrimmed heap {_size(record.heap_left_bytes)}"
     if record.released_bytes is None:
-        return "trimming"
-    return f"{record.released_bytes / 1e9:.2f} GB released"
+        return f"trimming heap {_size(record.heap_left_bytes)}"
+    return f"heap {_size(record.released_bytes)} released"
 
 
 def summary_table(records: list[SaveRecord]) -> Table:

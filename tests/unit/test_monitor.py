@@ -62,3 +62,29 @@ def test_stall_counts_the_call_the_release_and_the_copy_wait():
     data = record.as_dict()
     assert data["stall_s"] == pytest.approx(0.85) and data["call_s"] == 0.5 and data["copy_wait_s"] == 0.1
     assert record.metrics()["ckpt/stall_s"] == pytest.approx(0.85) and record.metrics()["ckpt/copy_wait_s"] == 0.1
+
+
+@pytest.mark.parametrize(
+    ("name", "nbytes", "durable_s", "skipped", "released", "expected"),
+    [
+        # async, as printed at the save: size and durability are known later
+        ("epoch=12-step=48000.ckpt", None, None, True, None,
+         "ckpt epoch=12-step=48000.ckpt: size pending, stall 14 ms, durable pending, untrimmed heap 1.23 GB"),
+        ("epoch=12-step=48000.ckpt", 12_340_000_000, 3.21, False, 1_100_000_000,
+         "ckpt epoch=12-step=48000.ckpt: size 12.34 GB, stall 14 ms, durable 3.21 s, heap 1.10 GB released"),
+        ("last.ckpt", 103_000_000, 0.52, False, None,
+         "ckpt last.ckpt (step 48000): size 103 MB, stall 14 ms, durable 520 ms, trimming heap 1.23 GB"),
+    ],
+)  # fmt: skip
+def test_the_save_line_labels_every_figure_within_100_columns(name, nbytes, durable_s, skipped, released, expected):
+    from rich.text import Text
+
+    from lightning_ckpt.monitor import save_line
+
+    record = SaveRecord(
+        3, f"/data/runs/a-long-experiment-name/checkpoints/{name}", 48000, 48000, 0.0123, 0.0021, nbytes, durable_s,
+        12_340_000_000, 14_560_000_000, 0, 0, False, heap_left_bytes=1_230_000_000, release_skipped=skipped,
+        released_bytes=released,
+    )  # fmt: skip
+    line = Text.from_markup(save_line(record)).plain
+    assert line == expected and len(line) <= 100
