@@ -13,6 +13,7 @@ from typing import Any, TypeGuard
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from rich.console import Console
 
 from lightning_ckpt.io import CheckpointIOFeatures, location
@@ -190,6 +191,10 @@ def _written(io: Any, filepath: str, stall: float) -> tuple[int | None, float | 
     last = None if found is None else found.last_save
     if last is not None and os.path.abspath(last.path) == os.path.abspath(filepath):
         return last.nbytes, last.seconds, last.reused_bytes  # ShardedCheckpointIO, synchronous
+    if isinstance(io, AsyncCheckpointIO):
+        # Its thread writes after the call returned and reports nothing: a file there now is an
+        # earlier save's (last.ckpt) or a partial one, neither this save's size nor its durability.
+        return None, None, None
     if os.path.isfile(filepath):  # Lightning's TorchCheckpointIO: written when save returned
         return os.path.getsize(filepath), stall, 0
     return None, None, None
