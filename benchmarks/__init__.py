@@ -1,7 +1,7 @@
 """``python -m benchmarks --mode MODE [...]`` (from the repository root): the research benchmark
 programs, kept out of the installed package. Each prints a rich table (and, with ``--json``, every
-run's values as JSON). ``python -m lightning_ckpt bench --mode MODE`` runs them too when the
-package is imported from this checkout.
+run's values as JSON). ``python -m lightning_ckpt bench --mode MODE`` names them and where they
+live: the installed package never imports this folder.
 
 The user-facing ``save`` and ``async`` modes ship with the package (``lightning_ckpt.bench``);
 these modes build on its shared parts (``measure``, ``report``, ``files``, ``workloads``,

@@ -45,7 +45,13 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_ckpt.bench.measure import MB, proc_status, run_in_fresh_process
-from lightning_ckpt.bench.report import add_json_argument, emit_report, machine_info, report_header, stderr_logger
+from lightning_ckpt.bench.report import (
+    add_json_argument,
+    emit_report,
+    machine_info,
+    report_header,
+    stderr_logger,
+)
 
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "off": None,
@@ -60,6 +66,7 @@ TARGET_FULL_SAVING = 0.60  # every layer: peak activation memory cut by at least
 TARGET_FULL_SLOWDOWN = 1.40  # ... for at most this step time
 TARGET_SELECTIVE_SHARE = 0.40  # selective: at least this share of every layer's saving
 TARGET_SELECTIVE_SLOWDOWN = 1.15  # ... for at most this step time
+
 
 def _build(task: dict[str, Any]) -> tuple[Any, Any, Any]:
     import torch
@@ -145,7 +152,7 @@ def _measure_memory(task: dict[str, Any]) -> dict[str, Any]:
     """Child process: the peak activation memory of one configuration (see the module docstring)."""
     import torch
 
-    from lightning_ckpt.activation import apply_activation_checkpointing
+    from lightning_ckpt.lightning.activation import apply_activation_checkpointing
 
     model, block_type, forward_backward, step, sync = _model_and_step(task)
     if task["options"] is not None:
@@ -177,7 +184,10 @@ def _measure_time(task: dict[str, Any]) -> dict[str, Any]:
     """
     import torch
 
-    from lightning_ckpt.activation import apply_activation_checkpointing, remove_activation_checkpointing
+    from lightning_ckpt.lightning.activation import (
+        apply_activation_checkpointing,
+        remove_activation_checkpointing,
+    )
 
     model, block_type, _, step, sync = _model_and_step(task)
     step()  # AdamW state and gradients exist from here on

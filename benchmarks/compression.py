@@ -55,9 +55,30 @@ from typing import Any
 import torch
 
 from lightning_ckpt.bench.files import DEFAULT_DIR, run_directory
-from lightning_ckpt.bench.measure import GB, MB, Metrics, Task, m, run_in_fresh_process, summarize
-from lightning_ckpt.bench.report import add_json_argument, emit_report, fmt, machine_info, parse_count, report_header, stderr_logger
-from lightning_ckpt.bench.workloads import Decoder, DecoderConfig, decoder_config, lightning_checkpoint
+from lightning_ckpt.bench.measure import (
+    GB,
+    MB,
+    Metrics,
+    Task,
+    m,
+    run_in_fresh_process,
+    summarize,
+)
+from lightning_ckpt.bench.report import (
+    add_json_argument,
+    emit_report,
+    fmt,
+    machine_info,
+    parse_count,
+    report_header,
+    stderr_logger,
+)
+from lightning_ckpt.bench.workloads import (
+    Decoder,
+    DecoderConfig,
+    decoder_config,
+    lightning_checkpoint,
+)
 
 COMPONENTS = ("model_fp32", "model_bf16", "exp_avg", "exp_avg_sq", "step")
 TITLES = {
@@ -141,7 +162,7 @@ def pieces(tensors: list[torch.Tensor], size: int) -> Iterator[bytes]:
 def round_trip(tensors: list[torch.Tensor], level: int) -> Metrics:
     """Compress ``tensors`` as the uploader does, decompress as the downloader does; sizes, the
     seconds of the codec calls alone, and whether the bytes came back."""
-    from lightning_ckpt import manifest as fmt
+    from lightning_ckpt.format import manifest as fmt
     from lightning_ckpt.remote import transfer
 
     feed, finish = transfer.encoder("zstd", level)
@@ -467,8 +488,8 @@ def missing_packages(end_to_end: bool) -> list[str]:
 
 def bench(task: Task, end_to_end: bool, log: Callable[[str], None]) -> Metrics:
     """The measurement process of ``task`` (with the S3 server around it when ``end_to_end``)."""
-    from lightning_ckpt.bench.measure import environment
     from benchmarks.s3 import s3_environment, s3_server
+    from lightning_ckpt.bench.measure import environment
 
     if not end_to_end:
         return run_in_fresh_process(task, _run)
@@ -484,7 +505,7 @@ def bench(task: Task, end_to_end: bool, log: Callable[[str], None]) -> Metrics:
 def main(argv: list[str] | None = None) -> int:
     """Run ``--mode compression``; print the tables (and the JSON with ``--json``). Returns 0, 1 if
     the measurement failed or a round trip was not exact, 2 if it could not run."""
-    from lightning_ckpt.plan import parse_size
+    from lightning_ckpt.format.plan import parse_size
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -232,7 +232,11 @@ def _build_fsdp(task: Task, rank: int, world_size: int) -> tuple[torch.nn.Module
 def _lightning_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, Any]:
     """What ``ModelParallelStrategy(save_distributed_checkpoint=True)`` hands to ``save_checkpoint``
     (``Trainer._checkpoint_connector.dump_checkpoint``'s keys, in its order)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     options = StateDictOptions(full_state_dict=False, cpu_offload=True)
     return {
@@ -284,7 +288,7 @@ def _ours_load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimiz
         set_optimizer_state_dict,
     )
 
-    from lightning_ckpt.distributed import load_sharded
+    from lightning_ckpt.format.dcp import load_sharded
 
     targets = {"state_dict": get_model_state_dict(model), "optimizer_states": [get_optimizer_state_dict(model, optimizer)]}
     checkpoint = load_sharded(path, targets, strict=True, verify=True)
@@ -595,7 +599,7 @@ def _bytes_per_rank(path: str, world_size: int) -> list[int]:
     """Bytes of the committed checkpoint's files by the rank that wrote them."""
     per_rank = [0] * world_size
     if os.path.isfile(os.path.join(path, "manifest.json")):
-        from lightning_ckpt.reader import read_manifest
+        from lightning_ckpt.format.reader import read_manifest
 
         manifest = read_manifest(path)
         for record in manifest.files.values():
@@ -922,7 +926,7 @@ def _remove_all(paths: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the tables (and the JSON with ``--json``). Returns 0, 1 if a measurement failed, 2 on bad setup."""
-    from lightning_ckpt.plan import parse_size
+    from lightning_ckpt.format.plan import parse_size
 
     parser = build_parser()
     args = parser.parse_args(argv)

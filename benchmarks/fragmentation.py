@@ -38,7 +38,7 @@ CONFIGS = (("never", False), ("on_pressure", False), ("always", False), ("never"
 def _loop(scenario: str, policy: str, steps: int, every: int, seed: int) -> dict[str, Any]:
     import torch
 
-    from lightning_ckpt.memory import memory_stats, release_memory
+    from lightning_ckpt.lightning.release import memory_stats, release_memory
 
     device = torch.device("cuda")
     weights = torch.randn(4096, 4096, device=device)

@@ -34,7 +34,12 @@ import statistics
 import time
 from typing import Any
 
-from lightning_ckpt.bench.files import DEFAULT_DIR, fsync_file, remove_path, run_directory
+from lightning_ckpt.bench.files import (
+    DEFAULT_DIR,
+    fsync_file,
+    remove_path,
+    run_directory,
+)
 from lightning_ckpt.bench.measure import MB, Metrics, Task, m, ratio, run_grid
 from lightning_ckpt.bench.report import (
     add_json_argument,
@@ -159,7 +164,6 @@ def render_table(report: dict[str, Any]) -> Any:
                 fmt(ratio(m(s, "durable_s"), m(baseline, "durable_s")), 3), fmt(m(s, "stall_s"), 3),
             )  # fmt: skip
     return table
-
 
 
 def build_parser() -> argparse.ArgumentParser:

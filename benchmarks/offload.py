@@ -423,10 +423,10 @@ def run_strategy_gpu(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch.nn.functional as F
 
     from lightning_ckpt import ChunkedAdamW
+    from lightning_ckpt.format.plan import parse_size
     from lightning_ckpt.offload.placement import OffloadBudgetError
     from lightning_ckpt.offload.streamer import Streamer
     from lightning_ckpt.offload.streams import CudaStreams
-    from lightning_ckpt.plan import parse_size
 
     device = torch.device("cuda", torch.cuda.current_device())
     budget = parse_size(args.budget, "--budget")
@@ -694,7 +694,7 @@ def run_largest(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The largest decoder (in blocks) that trains under ``--budget``, streamed by
     ``ChunkedOffloadStrategy`` and resident (see the module doc)."""
     from lightning_ckpt.bench.report import stderr_logger
-    from lightning_ckpt.plan import parse_size
+    from lightning_ckpt.format.plan import parse_size
 
     budget = parse_size(args.budget, "--budget")
     max_host = args.max_host_gb if args.max_host_gb is not None else default_max_host_gb()

@@ -100,7 +100,7 @@ def _async(task: Task) -> tuple[Callable[[str], None], Callable[[], None], Any]:
 
 def _run_task(task: Task) -> Metrics:
     """One process: ``saves`` saves of ``scenario`` under the release ``policy``."""
-    from lightning_ckpt.memory import MemoryReleaser, memory_stats
+    from lightning_ckpt.lightning.release import MemoryReleaser, memory_stats
 
     save, step, io = (_sync_big_dict if task["scenario"] == "sync_big_dict" else _async)(task)
     releaser = MemoryReleaser(task["policy"], threshold_mb=task["threshold_mb"])
@@ -186,7 +186,6 @@ def render_table(report: dict[str, Any]) -> Any:
     return table
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks --mode release", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -211,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the release benchmark; print a table (and the JSON with ``--json``). Returns 0, 1 if a run failed."""
-    from lightning_ckpt.memory import DEFAULT_RELEASE_THRESHOLD_MB
+    from lightning_ckpt.lightning.release import DEFAULT_RELEASE_THRESHOLD_MB
 
     parser = build_parser()
     args = parser.parse_args(argv)

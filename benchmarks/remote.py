@@ -66,7 +66,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lightning_ckpt.bench.files import DEFAULT_DIR, path_bytes, remove_path, run_directory
+from benchmarks.s3 import s3_environment, s3_server
+from lightning_ckpt.bench.files import (
+    DEFAULT_DIR,
+    path_bytes,
+    remove_path,
+    run_directory,
+)
 from lightning_ckpt.bench.measure import (
     GB,
     MB,
@@ -81,8 +87,14 @@ from lightning_ckpt.bench.measure import (
     run_in_fresh_process,
     summarize,
 )
-from lightning_ckpt.bench.report import add_json_argument, emit_report, fmt, machine_info, report_header, stderr_logger
-from benchmarks.s3 import s3_environment, s3_server
+from lightning_ckpt.bench.report import (
+    add_json_argument,
+    emit_report,
+    fmt,
+    machine_info,
+    report_header,
+    stderr_logger,
+)
 from lightning_ckpt.bench.workloads import build_checkpoint, mismatches, state_bytes
 
 CONTENDERS = ("torch_io", "sharded_sync", "sharded_async", "sharded_local_tier", "local_disk", "s3fs_put")
@@ -157,7 +169,7 @@ class _Run:
 
     def timed_save(self, save: Callable[[], None], wait: Callable[[], None], writer_pid: int | None = None) -> Metrics:
         """Stall (the call), durable (call + ``wait``), and memory over both."""
-        from lightning_ckpt.memory import release_memory
+        from lightning_ckpt.lightning.release import release_memory
 
         os.sync()  # no writeback of an earlier contender's files competes with this one
         release_memory("never")
@@ -298,7 +310,7 @@ def _run_repeat(task: Task) -> dict[str, Metrics]:
 
     import fsspec
 
-    from lightning_ckpt.memory import release_memory
+    from lightning_ckpt.lightning.release import release_memory
 
     # Spool folders (tempfile.mkdtemp) on the filesystem under test, inside the run folder.
     tempfile.tempdir = task["run_dir"]
@@ -539,7 +551,7 @@ def missing_packages() -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Run ``--mode remote``; print the tables (and the JSON with ``--json``). Returns 0, 1 if a
     measurement failed or a load was not bit-exact, 2 if it could not run."""
-    from lightning_ckpt.plan import parse_size
+    from lightning_ckpt.format.plan import parse_size
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -575,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"S3 server at {endpoint}, bucket {BUCKET!r}")
             result = bench(size_bytes, args.repeats, run_dir, part_size, args.concurrency, args.max_shard_size, log)
     from lightning_ckpt.bench.report import version
-    from lightning_ckpt.io import DEFAULT_MAX_SHARD_SIZE
+    from lightning_ckpt.lightning.plugin import DEFAULT_MAX_SHARD_SIZE
 
     report = {
         **report_header(argv, started),

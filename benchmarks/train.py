@@ -64,8 +64,19 @@ from typing import Any
 
 import torch
 
-from lightning_ckpt.bench.contenders import DcpAsync, dcp_process_available, dcp_staging_options, make_contender
-from lightning_ckpt.bench.files import DEFAULT_DIR, drop_page_cache, path_bytes, remove_path, run_directory
+from lightning_ckpt.bench.contenders import (
+    DcpAsync,
+    dcp_process_available,
+    dcp_staging_options,
+    make_contender,
+)
+from lightning_ckpt.bench.files import (
+    DEFAULT_DIR,
+    drop_page_cache,
+    path_bytes,
+    remove_path,
+    run_directory,
+)
 from lightning_ckpt.bench.measure import (
     GB,
     MB,
@@ -80,8 +91,21 @@ from lightning_ckpt.bench.measure import (
     run_in_fresh_process,
     summarize,
 )
-from lightning_ckpt.bench.report import add_json_argument, emit_report, fmt, machine_info, parse_count, report_header, stderr_logger
-from lightning_ckpt.bench.workloads import Decoder, DecoderConfig, decoder_config, lightning_checkpoint
+from lightning_ckpt.bench.report import (
+    add_json_argument,
+    emit_report,
+    fmt,
+    machine_info,
+    parse_count,
+    report_header,
+    stderr_logger,
+)
+from lightning_ckpt.bench.workloads import (
+    Decoder,
+    DecoderConfig,
+    decoder_config,
+    lightning_checkpoint,
+)
 
 CONTENDERS = ("torch_io", "async_io", "dcp_async", "sharded_sync", "sharded_async")
 DEVICES = ("cuda", "cpu")
@@ -416,7 +440,6 @@ def _run_task(task: Task) -> Metrics:
 
 # ----------------------------------------------------------------------------------------------
 # Parent side
-
 
 
 def _ratios(contenders: dict[str, Metrics]) -> Metrics:

@@ -45,12 +45,23 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from lightning_ckpt import legacy_dcp, remote
-from lightning_ckpt.errors import CheckpointError, CheckpointNotFoundError, MissingDependencyError
-from lightning_ckpt.functional import DEFAULT_MAX_SHARD_SIZE, load_checkpoint, save_checkpoint, verify_checkpoint
-from lightning_ckpt.manifest import Manifest
-from lightning_ckpt.plan import dtype_name, encode_checkpoint
-from lightning_ckpt.reader import not_found_message, read_manifest
+from lightning_ckpt import remote
+from lightning_ckpt.bench import main as bench_main
+from lightning_ckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    MissingDependencyError,
+)
+from lightning_ckpt.format import legacy as legacy_dcp
+from lightning_ckpt.format.manifest import Manifest
+from lightning_ckpt.format.plan import dtype_name, encode_checkpoint
+from lightning_ckpt.format.reader import not_found_message, read_manifest
+from lightning_ckpt.functional import (
+    DEFAULT_MAX_SHARD_SIZE,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
 
 _FORMAT_TORCH = "torch"  # a single file written by torch.save
 _FORMAT_DCP = "dcp"  # a stock torch.distributed.checkpoint folder
@@ -429,7 +440,6 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("bench", help="benchmark against Lightning's CheckpointIO", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from lightning_ckpt.bench import main as bench_main
 
         return bench_main(argv[1:])
     args = parser.parse_args(argv)

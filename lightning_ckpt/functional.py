@@ -1,25 +1,25 @@
 """The functional API: save, load, verify and remove a checkpoint without a Trainer.
 
-``save_checkpoint``, ``load_checkpoint``, ``verify_checkpoint``, ``remove_checkpoint`` and
-``load_from_checkpoint`` (exported from ``lightning_ckpt``). A save runs a ``savejob.SaveJob``
-in the calling process; loads read through ``reader`` (``legacy_dcp`` for Lightning's own
-sharded directories). Imports no other module of the plugin (``io``, ``callback``).
+``save_checkpoint``, ``load_checkpoint``, ``verify_checkpoint`` and ``remove_checkpoint``
+(exported from ``lightning_ckpt``; ``load_from_checkpoint``, which needs Lightning, is
+``lightning.loading``'s). A save runs a ``save.job.SaveJob`` in the calling process; loads read
+through ``format.reader`` (``format.legacy`` for Lightning's own sharded directories).
 """
 
 import os
-import threading
-from typing import Any, TypeVar
+from typing import Any
 
-from lightning_ckpt import manifest as fmt
-from lightning_ckpt import reader, remote, savejob
-from lightning_ckpt.compile import load_hooks_on_compiled_submodules
+from lightning_ckpt import remote
 from lightning_ckpt.errors import CheckpointNotFoundError
-from lightning_ckpt.plan import parse_size
-from lightning_ckpt.shards import ShardWriter
-from lightning_ckpt.writer import WriteResult
+from lightning_ckpt.format import legacy as legacy_dcp
+from lightning_ckpt.format import manifest as fmt
+from lightning_ckpt.format import reader
+from lightning_ckpt.format.plan import parse_size
+from lightning_ckpt.save import job as savejob
+from lightning_ckpt.store.commit import WriteResult
+from lightning_ckpt.store.shards import ShardWriter
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"
-_T = TypeVar("_T")
 
 
 def location(path: Any) -> str:
@@ -81,7 +81,6 @@ def load_checkpoint(
         return load_remote(os.fspath(path), options, map_location, weights_only, verify)
     path = savejob.local_path(path)
     if os.path.isdir(path):
-        from lightning_ckpt import legacy_dcp
 
         if legacy_dcp.is_dcp_checkpoint(path):  # written by Lightning's own sharded strategies
             return legacy_dcp.load_dcp_checkpoint(path, map_location, weights_only)
@@ -114,46 +113,3 @@ def remove_checkpoint(path: str | os.PathLike[str], storage_options: dict[str, A
     are not checkpoints; an interrupted removal never leaves a half-deleted checkpoint under its real name."""
     target = os.fspath(path) if remote.is_remote(path) else os.path.abspath(savejob.local_path(path))
     savejob.remove(target, remote.RemoteOptions(storage_options or {}))
-
-
-_load_patch_lock = threading.Lock()
-
-
-def load_from_checkpoint(
-    cls: type[_T],
-    checkpoint_path: str | os.PathLike[str],
-    map_location: reader.MapLocation = None,
-    hparams_file: str | os.PathLike[str] | None = None,
-    strict: bool | None = None,
-    weights_only: bool | None = None,
-    **kwargs: Any,
-) -> _T:
-    """``cls.load_from_checkpoint`` that also reads checkpoint directories.
-
-    Lightning's own ``LightningModule.load_from_checkpoint`` bypasses CheckpointIO and fails on a
-    directory. This runs Lightning's implementation unchanged (hyper-parameters, migration,
-    ``strict``, ``**kwargs`` overrides) with the file read by :func:`load_checkpoint`. A submodule
-    compiled in ``__init__`` (``self.net = torch.compile(net)``) loads keys with or without
-    ``_orig_mod.``, as ``ShardedModelCheckpoint(compile_safe=True)`` does for the Trainer::
-
-        model = load_from_checkpoint(MyModel, "checkpoints/last.ckpt")
-    """
-    from lightning.pytorch.core import saving
-
-    def _load(path: Any, map_location: Any = None, weights_only: Any = None) -> Any:
-        return load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-
-    with _load_patch_lock, load_hooks_on_compiled_submodules():
-        original = saving.pl_load
-        saving.pl_load = _load
-        try:
-            return cls.load_from_checkpoint(  # type: ignore[attr-defined,no-any-return]
-                checkpoint_path,
-                map_location=map_location,
-                hparams_file=hparams_file,
-                strict=strict,
-                weights_only=weights_only,
-                **kwargs,
-            )
-        finally:
-            saving.pl_load = original

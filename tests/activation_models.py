@@ -11,12 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
+from models import trainer_kwargs
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from models import trainer_kwargs
-
-from lightning_ckpt.activation import checkpointed_paths
+from lightning_ckpt.lightning.activation import checkpointed_paths
 
 DIM, VOCAB = 16, 32
 

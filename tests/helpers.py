@@ -112,7 +112,11 @@ def one_rank_group(folder) -> Iterator[None]:
 def sharded_tensor(full, parts: int):
     """``full`` as a ShardedTensor whose ``parts`` row blocks are all local to this one rank (as
     FSDP1 hands them out): saved, each block is its own piece. Needs a process group."""
-    from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+    from torch.distributed._shard.sharded_tensor import (
+        Shard,
+        ShardMetadata,
+        init_from_local_shards,
+    )
 
     rows = full.shape[0] // parts
     shards = [

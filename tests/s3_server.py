@@ -8,11 +8,11 @@ find it too). Only the loopback address is used.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +65,11 @@ class Request:
 
 class S3Server:
     def __init__(self) -> None:
-        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+        from moto.moto_server.werkzeug_app import (
+            DomainDispatcherApplication,
+            MotoRequestHandler,
+            create_backend_app,
+        )
         from werkzeug.serving import make_server
 
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise

@@ -5,8 +5,7 @@ rich table (and, with ``--json``, every run's values as JSON).
 The research harnesses (multi-rank, object storage, compression, a real training loop, ...) are
 not shipped in the package: they live in the repository's ``benchmarks/`` folder and run from a
 checkout with ``python -m benchmarks --mode MODE``. ``--mode`` with one of
-:data:`REPOSITORY_MODES` runs them from here too when this package is imported from that checkout
-(an editable install or ``PYTHONPATH``), and otherwise says where to get them.
+:data:`REPOSITORY_MODES` says so (the installed package never imports the repository's code).
 
 One module per mode; the shared parts are kept apart, and data flows one way (a mode module
 imports the shared ones, never another mode, and nothing imports a mode but :func:`main`). The
@@ -29,8 +28,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from pathlib import Path
-from types import ModuleType
 
 # mode -> (module, one-line description); the order is the order of ``--help``
 MODES: dict[str, tuple[str, str]] = {
@@ -73,44 +70,23 @@ def split_mode(argv: list[str]) -> tuple[str, list[str]]:
     return known.mode, rest
 
 
-def checkout_benchmarks() -> ModuleType | None:
-    """The ``benchmarks`` package of the checkout this package is imported from, or ``None``.
-
-    Only the ``benchmarks/`` folder next to this very ``lightning_ckpt/`` counts (never another
-    ``benchmarks`` on ``sys.path``); its checkout root goes on ``sys.path``, so the measurement
-    processes it starts (forked from a server that inherits ``sys.path``) import it too.
-    """
-    root = Path(__file__).resolve().parents[2]
-    if not (root / "benchmarks" / "__init__.py").is_file():
-        return None
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    module = importlib.import_module("benchmarks")
-    if Path(module.__file__ or "").resolve().parent != root / "benchmarks":
-        return None  # another ``benchmarks`` package was imported first
-    return module
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark of ``--mode`` (default ``save``); its exit code.
 
     ``save`` gets ``argv`` as given (its parser takes ``--mode``); ``async`` gets it without
-    ``--mode``; a mode of :data:`REPOSITORY_MODES` goes to the checkout's ``benchmarks.main``.
+    ``--mode``; a mode of :data:`REPOSITORY_MODES` is named with where it lives (exit code 2).
     """
     args = list(sys.argv[1:] if argv is None else argv)
     mode, rest = split_mode(args)
     if mode in REPOSITORY_MODES:
-        repository = checkout_benchmarks()
-        if repository is None:
-            print(
-                f"lightning_ckpt bench: `--mode {mode}` is a research benchmark that is not part of the installed"
-                f" package; it lives in the benchmarks/ folder of the lightning-ckpt source repository. To run it, clone"
-                f" the repository, `pip install -e '.[test]'` in its root, and run there\n"
-                f"  python -m benchmarks --mode {mode} [...]   (its options: --help)\n"
-                f"(modes shipped with the package: {', '.join(MODES)})",
-                file=sys.stderr,
-            )
-            return 2
-        return int(repository.main(args))
+        print(
+            f"lightning_ckpt bench: `--mode {mode}` is a research benchmark that is not part of the installed"
+            f" package; it lives in the benchmarks/ folder of the lightning-ckpt source repository. Run it in a"
+            f" checkout of the repository (after `pip install -e '.[test]'` there):\n"
+            f"  python -m benchmarks --mode {mode} [...]   (its options: --help)\n"
+            f"(modes shipped with the package: {', '.join(MODES)})",
+            file=sys.stderr,
+        )
+        return 2
     module = importlib.import_module(f"{__name__}.{MODES[mode][0]}")
     return int(module.main(args if mode in _KEEPS_MODE else rest))

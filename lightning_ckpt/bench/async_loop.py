@@ -90,8 +90,19 @@ from typing import Any
 
 import torch
 
-from lightning_ckpt.bench.contenders import Contender, DcpAsync, dcp_stager_reusable, dcp_staging_options, make_contender
-from lightning_ckpt.bench.files import DEFAULT_DIR, path_bytes, remove_path, run_directory
+from lightning_ckpt.bench.contenders import (
+    Contender,
+    DcpAsync,
+    dcp_stager_reusable,
+    dcp_staging_options,
+    make_contender,
+)
+from lightning_ckpt.bench.files import (
+    DEFAULT_DIR,
+    path_bytes,
+    remove_path,
+    run_directory,
+)
 from lightning_ckpt.bench.measure import (
     GB,
     MB,
@@ -109,7 +120,14 @@ from lightning_ckpt.bench.measure import (
     run_in_fresh_process,
     summarize,
 )
-from lightning_ckpt.bench.report import add_json_argument, emit_report, fmt, machine_info, report_header, stderr_logger
+from lightning_ckpt.bench.report import (
+    add_json_argument,
+    emit_report,
+    fmt,
+    machine_info,
+    report_header,
+    stderr_logger,
+)
 from lightning_ckpt.bench.workloads import (
     MATMUL_SIZE,
     UPDATE_WEIGHT,
@@ -681,7 +699,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the async benchmark; print a table (and the JSON with ``--json``). Returns 0, 1 if a measurement failed, 2 on bad setup."""
-    from lightning_ckpt.plan import parse_size
+    from lightning_ckpt.format.plan import parse_size
 
     parser = build_parser()
     args = parser.parse_args(argv)

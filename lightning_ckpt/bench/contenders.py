@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from lightning_ckpt.bench.files import fsync_file
-from lightning_ckpt.plan import iter_tensors
+from lightning_ckpt.format.plan import iter_tensors
+
 
 class Contender:
     """One checkpointing method, seen by the training loop.
@@ -289,7 +290,9 @@ class DcpAsync(Contender):
                 if daemon is not None:
                     daemon.__del__()  # DCP's own ending: TERMINATE, a join of 5 s, then SIGTERM
                     self._reap(getattr(daemon, "_save_process", None))
-                    from torch.distributed.checkpoint import _async_process_executor as executor
+                    from torch.distributed.checkpoint import (
+                        _async_process_executor as executor,
+                    )
 
                     executor._CHECKPOINT_PROCESS = None
             if self.owns_group:

@@ -231,8 +231,8 @@ PRELOAD = [
     "torch.distributed.fsdp",
     "lightning.pytorch",
     "lightning.fabric.strategies.model_parallel",
-    "lightning_ckpt.io",
-    "lightning_ckpt.distributed",
+    "lightning_ckpt.lightning.plugin",
+    "lightning_ckpt.format.dcp",
     "lightning_ckpt.bench.measure",
 ]
 

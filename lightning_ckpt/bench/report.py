@@ -156,7 +156,7 @@ def size_argument(option: str) -> Callable[[str], int]:
     """An argparse ``type`` for a byte size (``"512MB"``, ``"1GiB"``); its error names ``option``."""
 
     def parse(text: str) -> int:
-        from lightning_ckpt.plan import parse_size
+        from lightning_ckpt.format.plan import parse_size
 
         try:
             return parse_size(text, option)

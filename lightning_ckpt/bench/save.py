@@ -33,7 +33,12 @@ from typing import Any
 import torch
 
 from lightning_ckpt.bench import add_mode_argument
-from lightning_ckpt.bench._plain_writer import ALIGN, aligned, direct_buffer, write_and_fsync
+from lightning_ckpt.bench._plain_writer import (
+    ALIGN,
+    aligned,
+    direct_buffer,
+    write_and_fsync,
+)
 from lightning_ckpt.bench.files import (
     BUFFERED_CHUNK,
     DEFAULT_DIR,
@@ -42,8 +47,24 @@ from lightning_ckpt.bench.files import (
     remove_path,
     run_directory,
 )
-from lightning_ckpt.bench.measure import GB, Metrics, Task, m, measure, ratio, run_in_fresh_process, summarize
-from lightning_ckpt.bench.report import add_json_argument, emit_report, fmt, machine_info, report_header, stderr_logger
+from lightning_ckpt.bench.measure import (
+    GB,
+    Metrics,
+    Task,
+    m,
+    measure,
+    ratio,
+    run_in_fresh_process,
+    summarize,
+)
+from lightning_ckpt.bench.report import (
+    add_json_argument,
+    emit_report,
+    fmt,
+    machine_info,
+    report_header,
+    stderr_logger,
+)
 from lightning_ckpt.bench.workloads import build_checkpoint, model_layout, state_bytes
 
 DEFAULT_SIZES = "0.5GB,3GB"
@@ -342,7 +363,7 @@ def render_table(results: list[Metrics]) -> Any:
 
 
 def _parse_sizes(text: str) -> list[tuple[str, int]]:
-    from lightning_ckpt.plan import parse_size
+    from lightning_ckpt.format.plan import parse_size
 
     sizes = []
     for item in text.split(","):
@@ -384,14 +405,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sizes = _parse_sizes(args.sizes)
         if args.max_shard_size is not None:
-            from lightning_ckpt.plan import parse_size
+            from lightning_ckpt.format.plan import parse_size
 
             parse_size(args.max_shard_size, "--max-shard-size")
     except ValueError as err:
         parser.error(str(err))
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
-    from lightning_ckpt.io import DEFAULT_MAX_SHARD_SIZE
+    from lightning_ckpt.lightning.plugin import DEFAULT_MAX_SHARD_SIZE
 
     directory = os.path.abspath(args.dir)
     log = stderr_logger()

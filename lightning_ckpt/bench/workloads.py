@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from lightning_ckpt.bench.report import version
-from lightning_ckpt.plan import iter_tensors
+from lightning_ckpt.format.plan import iter_tensors
 
 _LAYERS = 6
 MATMUL_SIZE = 1024
@@ -95,8 +95,6 @@ def build_checkpoint(size_bytes: int, device: str | torch.device = "cpu") -> dic
         "optimizer_states": [{"state": optimizer_state, "param_groups": [param_group]}],
         "lr_schedulers": [],
     }
-
-
 
 
 def state_bytes(size_bytes: int) -> tuple[int, int]:

@@ -40,12 +40,24 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_ckpt.offload.chunks import MASTER_DTYPE, HostArena, assign_owners, plan_chunks, restrict
-from lightning_ckpt.offload.hooks import ChunkWaiter, Discover, GradMover
+from lightning_ckpt.format.plan import parse_size
+from lightning_ckpt.offload.chunks import (
+    MASTER_DTYPE,
+    HostArena,
+    assign_owners,
+    plan_chunks,
+    restrict,
+)
 from lightning_ckpt.offload.inplace import steps_in_place
 from lightning_ckpt.offload.shares import owner_meshes, placed, shares_wanted
-from lightning_ckpt.offload.stepper import Chunk, Job, Stepper, Worker, slot_views, stamp
-from lightning_ckpt.plan import parse_size
+from lightning_ckpt.offload.stepper import (
+    Chunk,
+    Job,
+    Stepper,
+    Worker,
+    slot_views,
+    stamp,
+)
 
 # Flags of torch.optim.AdamW this optimizer does not implement; the value it has instead.
 _UNSUPPORTED = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
@@ -206,9 +218,20 @@ class ChunkedAdamW(Optimizer):
             owned = owners[spec.index] == rank
             empty = torch.empty(0, dtype=MASTER_DTYPE)
             master_flat, avg, avg_sq = self._arena.tensors(spec) if owned else (empty, empty, empty)
+            master, exp_avg, exp_avg_sq = (slot_views(spec, params, t) for t in (master_flat, avg, avg_sq))
             chunk = Chunk(
-                spec, params, None, [], master_flat, *(slot_views(spec, params, t) for t in (master_flat, avg, avg_sq)),
-                [None] * len(params), owners[spec.index], owned, device=self.device,
+                spec=spec,
+                params=params,
+                grad_buffer=None,
+                grads=[],
+                master_flat=master_flat,
+                master=master,
+                exp_avg=exp_avg,
+                exp_avg_sq=exp_avg_sq,
+                versions=[None] * len(params),
+                owner=owners[spec.index],
+                owned=owned,
+                device=self.device,
             )
             self._chunks.append(chunk)
             for i, p in enumerate(params):
@@ -330,10 +353,19 @@ class ChunkedAdamW(Optimizer):
             group = self.param_groups[chunk.spec.group]
             steps = [self._state_of(chunk, i)["step"] for i in members]
             lr = group["lr"]
-            jobs.append(Job(
-                chunk, members, steps, float(lr), float(group["betas"][0]), float(group["betas"][1]),
-                float(group["eps"]), float(group["weight_decay"]), None, grads, chunk.masters_of(members),
-            ))
+            job = Job(
+                chunk=chunk,
+                members=members,
+                steps=steps,
+                lr=float(lr),
+                beta1=float(group["betas"][0]),
+                beta2=float(group["betas"][1]),
+                eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                grads=grads,
+                masters=chunk.masters_of(members),
+            )
+            jobs.append(job)
             if chunk.synchronous or not self._overlap:
                 waits.append(chunk)
         # Invariant: a step() that raises has queued nothing (a retry would step chunks twice), so
@@ -557,3 +589,51 @@ def _shutdown(
     # thread's current device (0 by default) would open a context there.
     with torch.cuda.device(stepper.device) if stepper.cuda else contextlib.nullcontext():
         arena.close()
+
+# -- hooks: each holds the optimizer weakly, so a dropped optimizer is collected (and its worker
+# ended) whatever modules outlive it. All run on the main thread, from autograd (``GradMover``) or
+# a module call (the others).
+
+
+class GradMover:
+    """Post-accumulate-grad hook: a gradient autograd just created moves into its view at once, so
+    clipping and scaling see the views and the fresh tensor is freed during backward."""
+
+    def __init__(self, optimizer: weakref.ref[ChunkedAdamW]) -> None:
+        self._optimizer = optimizer
+
+    def __call__(self, p: torch.Tensor) -> None:
+        optimizer = self._optimizer()
+        if optimizer is None or p not in optimizer._where:
+            return
+        chunk, i = optimizer._where[p]
+        grad = p.grad
+        if grad is not None and grad.layout == torch.strided and grad.data_ptr() != chunk.grad_views()[i].data_ptr():
+            chunk.done.wait()  # the buffer is not being read by a step still in flight
+            with torch.no_grad():
+                optimizer._into_view(chunk, i)
+
+
+class Discover:
+    """Global forward pre-hook until the first ``step()``: finds the modules holding our params."""
+
+    def __init__(self, optimizer: weakref.ref[ChunkedAdamW]) -> None:
+        self._optimizer = optimizer
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        optimizer = self._optimizer()
+        if optimizer is not None:
+            optimizer._adopt(module)
+
+
+class ChunkWaiter:
+    """Forward pre-hook and state_dict pre-hook of a module: waits for its parameters' chunks."""
+
+    def __init__(self, optimizer: weakref.ref[ChunkedAdamW], chunks: list[Chunk]) -> None:
+        self._optimizer = optimizer
+        self._chunks = chunks
+
+    def __call__(self, module: torch.nn.Module, *args: Any) -> None:
+        optimizer = self._optimizer()
+        if optimizer is not None:
+            optimizer._wait(self._chunks)

@@ -6,11 +6,11 @@ larger than a chunk gets a chunk of its own (it is never split, so its gradient 
 one buffer). The host arena holds, per chunk, the fp32 master weights, ``exp_avg`` and
 ``exp_avg_sq`` as three flat tensors (the moments alone for a chunk whose parameters are their own
 master weights: :mod:`lightning_ckpt.offload.inplace`); it is one shared-memory buffer of the
-staging pool's kind (:class:`lightning_ckpt.staging.StagingPool`): allocated once, faulted in (and
+staging pool's kind (:class:`lightning_ckpt.hostmem.SharedBuffer`): allocated once, faulted in (and
 page-locked when the parameters are on CUDA) by a background thread, never reallocated.
 
 An async save does not copy the arena on the training thread: the arena is a
-:class:`lightning_ckpt.staging.DeferredSource`, so the staging pool leaves the optimizer state
+:class:`lightning_ckpt.hostmem.DeferredSource`, so the staging pool leaves the optimizer state
 views of a checkpoint to it; each claimed chunk is copied into the pool by the save's hand-off
 thread (in reverse layout order) or, when the next step reaches the chunk first, by that step just
 before it writes the chunk (copy-on-write). Either way the pool receives the chunk as it was when
@@ -27,8 +27,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from lightning_ckpt.pinning import pin_pieces
-from lightning_ckpt.staging import StagingPool, aligned, register_deferred_source
+from lightning_ckpt.hostmem import (
+    SharedBuffer,
+    aligned,
+    pin_pieces,
+    register_deferred_source,
+)
 
 MASTER_DTYPE = torch.float32
 _ITEM = 4  # bytes per element of the master weights and both moments
@@ -151,7 +155,7 @@ class HostArena:
 
     def __init__(self, layout: Layout, pin: bool) -> None:
         held = [spec for spec in layout.chunks if spec.host_offset >= 0]
-        self._pool = StagingPool()
+        self._pool = SharedBuffer()
         # Page-locked in pieces that end at chunk ends: a chunk's copies never span two.
         nbytes = max(layout.nbytes, 1)
         self._pool.reserve(nbytes, pin=pin, pieces=pin_pieces(sorted(spec.host_end for spec in held), nbytes))

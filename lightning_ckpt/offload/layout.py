@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_ckpt.hostmem import SharedBuffer, aligned, pin_pieces
 from lightning_ckpt.offload.chunks import ChunkSpec, plan_chunks
-from lightning_ckpt.pinning import pin_pieces
-from lightning_ckpt.staging import StagingPool, aligned
 
 # Bytes; every slot and parameter offset is a multiple, so any dtype views it. On CUDA a
 # parameter's address is as aligned as the caching allocator's (cuBLAS picks kernels by pointer
@@ -38,7 +37,7 @@ class HostLayout:
     places: list[tuple[int, int]]  # per parameter: (its chunk, its byte offset in the chunk)
     host: list[torch.Tensor]  # per chunk: its bytes in the pool
     grad_buffers: dict[int, torch.Tensor]  # per chunk with gradients: their bytes in the pool
-    pool: StagingPool
+    pool: SharedBuffer
 
     def __post_init__(self) -> None:
         self._place_of = {id(p): place for p, place in zip(self.params, self.places)}
@@ -81,7 +80,7 @@ def host_layout(params: list[torch.nn.Parameter], chunk_bytes: int, device: torc
     starts = [0]
     for n in sizes:
         starts.append(starts[-1] + aligned(n))  # page-aligned regions
-    pool = StagingPool()
+    pool = SharedBuffer()
     nbytes = max(starts[-1], ALIGN)
     pool.reserve(nbytes, pin=device.type == "cuda", pieces=pin_pieces(starts[1:], nbytes))
     pool.wait_writable(starts[-1])

@@ -25,7 +25,7 @@ def stamp(p: torch.Tensor) -> tuple[int, int]:
     return p.data_ptr(), p._version
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Chunk:
     """Runtime side of a :class:`ChunkSpec`. ``done`` is set while no step of the chunk is queued
     or running: only then may the main thread touch its state, gradients or parameters.
@@ -112,8 +112,10 @@ def slot_views(spec: ChunkSpec, params: list[torch.Tensor], flat: torch.Tensor) 
     return [flat[s.offset : s.offset + s.numel].view(p.shape) for s, p in zip(spec.slots, params)]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class Job:
+    """One chunk's step, queued for the worker thread (built by keyword)."""
+
     chunk: Chunk
     members: list[int]  # positions in the chunk of the parameters that have a gradient
     steps: list[torch.Tensor]  # their ``step`` state tensors

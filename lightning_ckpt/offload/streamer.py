@@ -53,14 +53,14 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_ckpt.hostmem import SharedBuffer
 from lightning_ckpt.offload import inplace
 from lightning_ckpt.offload.adamw import ChunkedAdamW
-from lightning_ckpt.offload.layout import host_layout
 from lightning_ckpt.offload.gradients import HostGrads
+from lightning_ckpt.offload.layout import host_layout
 from lightning_ckpt.offload.materialize import materialize_parameter
 from lightning_ckpt.offload.placement import OffloadPlan, Unit, plan_offload
 from lightning_ckpt.offload.streams import Streams
-from lightning_ckpt.staging import StagingPool
 
 HOST, RESIDENT = -1, -2  # where a chunk's memory is, besides a slot (its index)
 
@@ -111,7 +111,7 @@ class Streamer:
         self.warming_up = True
         self._chunk_bytes_arg = chunk_bytes
         self.grads: Optional[HostGrads] = None
-        self._pool: Optional[StagingPool] = None  # the memory of the host chunks and gradients
+        self._pool: Optional[SharedBuffer] = None  # the memory of the host chunks and gradients
         self._last_copy: Any = None  # the event of the last copy into device memory
         self._idle: Any = None  # the event after which no kernel issued so far reads device memory
         self._finish_queued = False
@@ -597,5 +597,3 @@ def _tensors(output: Any) -> list[torch.Tensor]:
     if isinstance(output, dict):
         return [t for o in output.values() for t in _tensors(o)]
     return []
-
-

@@ -38,12 +38,18 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fsspec.spec import AbstractFileSystem
 
-from lightning_ckpt import manifest as fmt
-from lightning_ckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError
+from lightning_ckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+)
+from lightning_ckpt.format import manifest as fmt
+from lightning_ckpt.format.reader import OpenedDir, manifest_in, read_consistently
 from lightning_ckpt.remote.transfer import (
     ENCODINGS,
     PIECE,
@@ -55,9 +61,20 @@ from lightning_ckpt.remote.transfer import (
     retried,
     upload,
 )
+from lightning_ckpt.store import commit as writer
 
-if TYPE_CHECKING:
-    from lightning_ckpt.server_copy import ServerCopies
+
+class CopySource(Protocol):
+    """Where a publication copies some files from on the server instead of uploading them
+    (incremental saves: ``server_copy.ServerCopies``). Called from ``publish``'s upload threads."""
+
+    absent: frozenset[str]  # files with no local copy: copied, or the publication fails
+    copied: dict[str, int]  # file -> object bytes copied (so far)
+
+    def copy(self, fs: AbstractFileSystem, name: str, record: fmt.FileRecord, encoding: str | None, target: str) -> int | None:
+        """Copy file ``name`` to the object ``target``; its object size, or ``None`` to upload it."""
+        ...
+
 
 CURRENT_FILE = "CURRENT"
 POINTER_FORMAT = "lightning_ckpt.pointer"
@@ -71,8 +88,6 @@ _cleaned: set[tuple[Any, str]] = set()  # (protocol, folder) already rid of orph
 def new_generation() -> str:
     """A generation name that sorts by creation time: ``gen-<unix ms>-<random>``."""
     return f"gen-{int(time.time() * 1000):013d}-{secrets.token_hex(4)}"
-
-
 
 
 def _pointer_bytes(generation: str, manifest_bytes: bytes, objects: dict[str, dict[str, Any]]) -> bytes:
@@ -182,7 +197,7 @@ class Published:
     copied_bytes: int = 0  # of ``nbytes``, copied on the server from earlier checkpoints, not uploaded
 
 
-def publish(local: str, url: str, options: RemoteOptions, copies: ServerCopies | None = None) -> Published:
+def publish(local: str, url: str, options: RemoteOptions, copies: CopySource | None = None) -> Published:
     """Upload the committed local checkpoint ``local`` as the new generation of ``url`` and commit it.
 
     Raises ``CheckpointWriteError`` when anything fails: nothing is committed, and the checkpoint
@@ -279,7 +294,6 @@ def _open_committed(local: str, absent: frozenset[str]) -> tuple[bytes, fmt.Mani
     """The manifest (bytes, parsed) of the committed local checkpoint ``local`` and an open fd of
     each file it lists, all read through one directory fd: one checkpoint, whatever replaces it
     once they are open. Replaced (and removed) while being opened: the newer one is opened."""
-    from lightning_ckpt.reader import OpenedDir, manifest_in, read_consistently
 
     def open_all(directory: OpenedDir) -> tuple[bytes, fmt.Manifest, dict[str, int]]:
         fds: dict[str, int] = {}
@@ -374,7 +388,6 @@ def _abort_multipart_uploads(fs: AbstractFileSystem, folder: str) -> list[str]:
 def fetch(url: str, options: RemoteOptions, dest: str) -> str:
     """Download the committed checkpoint at ``url`` into the local directory ``dest``, verifying
     every object on the way; ``dest`` appears atomically (a complete checkpoint or nothing)."""
-    from lightning_ckpt import writer
 
     fs, root = options.filesystem(url)
     for attempt in range(_READS):
@@ -529,4 +542,3 @@ def remove(url: str, options: RemoteOptions) -> None:
     if CURRENT_FILE in children:
         fs.rm_file(f"{root}/{CURRENT_FILE}")
     fs.rm(root, recursive=True)
-

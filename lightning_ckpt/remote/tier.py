@@ -17,14 +17,20 @@ import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
-from lightning_ckpt import manifest as fmt
-from lightning_ckpt.remote.commit import Published, fetch, publish, read_committed, read_pointer, remove
+from lightning_ckpt.format import manifest as fmt
+from lightning_ckpt.format import reader
+from lightning_ckpt.remote.commit import (
+    CopySource,
+    Published,
+    fetch,
+    publish,
+    read_committed,
+    read_pointer,
+    remove,
+)
 from lightning_ckpt.remote.transfer import RemoteOptions
-
-if TYPE_CHECKING:
-    from lightning_ckpt.server_copy import ServerCopies
+from lightning_ckpt.store import commit as writer
 
 
 def spool_target(root: str | None = None) -> tuple[str, str]:
@@ -81,7 +87,6 @@ def mark_published(local: str, published: Published) -> None:
 def prune_local_tier(local: str, keep: int) -> list[str]:
     """Keep the newest ``keep`` published checkpoints in ``local``'s folder; never one that is not
     published yet (it may be the only copy). Returns what was removed."""
-    from lightning_ckpt import writer
 
     folder = os.path.dirname(local)
     published = []
@@ -98,7 +103,7 @@ def prune_local_tier(local: str, keep: int) -> list[str]:
 
 
 def publish_committed(
-    local: str, url: str, options: RemoteOptions, spool: str | None, copies: ServerCopies | None = None
+    local: str, url: str, options: RemoteOptions, spool: str | None, copies: CopySource | None = None
 ) -> Published:
     """Publish the locally committed checkpoint ``local`` to ``url``; then remove ``spool`` (the
     temporary folder it was committed in), or, in the local tier, mark it published and prune.
@@ -122,7 +127,6 @@ def remove_everywhere(url: str, options: RemoteOptions) -> None:
 
 
 def remove_local_copy(local: str) -> None:
-    from lightning_ckpt import writer
 
     writer.remove_checkpoint(local)
     try:
@@ -157,7 +161,6 @@ def local_copy_for_load(url: str, options: RemoteOptions) -> tuple[str, Callable
 
 
 def _local_copy_is_current(local: str, url: str, options: RemoteOptions) -> bool:
-    from lightning_ckpt import reader
 
     if not os.path.exists(os.path.join(local, fmt.MANIFEST_FILE)):
         return False

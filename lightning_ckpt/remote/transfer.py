@@ -21,8 +21,12 @@ from typing import Any, Protocol, TypeVar
 import fsspec
 from fsspec.spec import AbstractFileSystem
 
-from lightning_ckpt import manifest as fmt
-from lightning_ckpt.errors import CheckpointError, CorruptCheckpointError, MissingDependencyError
+from lightning_ckpt.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    MissingDependencyError,
+)
+from lightning_ckpt.format import manifest as fmt
 
 DEFAULT_PART_SIZE = 64 * 2**20  # S3 allows 5 MiB to 5 GiB per part and 10,000 parts per object
 DEFAULT_CONCURRENCY = 8  # objects uploaded or downloaded at once

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+import benchmarks as bench  # python -m benchmarks --mode MODE
 from benchmarks import activations as bench_activations
-from lightning_ckpt import bench
 
 
 def test_bench_mode_activations_is_wired_and_judges_the_targets(capsys):

@@ -11,14 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import assert_positive_medians
 
 from lightning_ckpt import bench
 from lightning_ckpt.bench import async_loop as bench_async
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the benchmark reads Linux /proc")
-
 
 
 def test_bench_async_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,11 +11,10 @@ import os
 from pathlib import Path
 
 import pytest
-
 from helpers import assert_positive_medians
 
+import benchmarks as bench  # python -m benchmarks --mode MODE
 from benchmarks import compression
-from lightning_ckpt import bench
 
 pytestmark = [
     pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the benchmark reads Linux /proc"),

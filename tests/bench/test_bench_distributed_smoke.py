@@ -9,11 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import assert_positive_medians
 
 from benchmarks import distributed as bench_distributed
-from lightning_ckpt import cli
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists("/proc/self/status") or not torch.distributed.is_available(),
@@ -96,11 +94,13 @@ def test_bench_distributed_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert not folder.exists() or not any(folder.rglob("*"))
 
 
-def test_cli_bench_mode_distributed_dispatches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_python_m_benchmarks_mode_distributed_dispatches(monkeypatch: pytest.MonkeyPatch) -> None:
+    import benchmarks
+
     seen = []
     monkeypatch.setattr(bench_distributed, "main", lambda argv: seen.append(argv) or 0)
-    assert cli.main(["bench", "--mode", "distributed", "--size", "1MB"]) == 0
-    assert cli.main(["bench", "--size", "1MB", "--mode=distributed"]) == 0
+    assert benchmarks.main(["--mode", "distributed", "--size", "1MB"]) == 0
+    assert benchmarks.main(["--size", "1MB", "--mode=distributed"]) == 0
     assert seen == [["--mode", "distributed", "--size", "1MB"], ["--size", "1MB", "--mode=distributed"]]
     args = bench_distributed.build_parser().parse_args(["--mode", "distributed"])
     assert args.json_path is None and args.world_size == 2 and args.reshard_world_sizes == "1"

@@ -7,8 +7,8 @@ import json
 import os
 from pathlib import Path
 
+import benchmarks as bench  # python -m benchmarks --mode MODE
 from benchmarks import incremental as bench_incremental
-from lightning_ckpt import bench
 
 
 def test_bench_incremental_main_tiny(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Where each benchmark mode lives: the package's own (``save``, ``async``) and the repository's
-(benchmarks/), reachable from ``python -m lightning_ckpt bench`` in a checkout, named with where to
-get them outside one, and not shipped in the wheel."""
+(benchmarks/, ``python -m benchmarks``), which ``python -m lightning_ckpt bench`` names with where to
+get them: the installed package never imports the repository's code."""
 
 from __future__ import annotations
 
@@ -29,11 +29,6 @@ def test_repository_modes_are_the_modes_of_benchmarks_and_none_is_in_the_package
         assert (package / f"{module}.py").is_file()
 
 
-def test_package_finds_the_benchmarks_of_its_own_checkout() -> None:
-    found = bench.checkout_benchmarks()
-    assert found is benchmarks and Path(found.__file__).resolve().parent == ROOT / "benchmarks"
-
-
 def test_python_m_benchmarks_lists_the_modes_and_requires_one(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         benchmarks.main(["--help"])
@@ -45,13 +40,14 @@ def test_python_m_benchmarks_lists_the_modes_and_requires_one(capsys: pytest.Cap
     assert exit_info.value.code == 2 and "--mode" in capsys.readouterr().err
 
 
-def test_repository_mode_outside_a_checkout_says_where_it_lives(tmp_path: Path) -> None:
-    """An installed package (here: a copy of lightning_ckpt/ without benchmarks/ next to it)."""
+@pytest.mark.parametrize("where", ["installed", "checkout"])
+def test_a_repository_mode_says_where_it_lives(tmp_path: Path, where: str) -> None:
+    """An installed package (a copy of lightning_ckpt/ without benchmarks/ next to it) and the checkout alike."""
     shutil.copytree(ROOT / "lightning_ckpt", tmp_path / "site" / "lightning_ckpt", ignore=shutil.ignore_patterns("__pycache__"))
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site" if where == "installed" else ROOT)}
     done = subprocess.run(
         [sys.executable, "-m", "lightning_ckpt", "bench", "--mode", "offload", "--steps", "1"],
-        cwd=tmp_path,
+        cwd=tmp_path if where == "installed" else ROOT,
         env=env,
         capture_output=True,
         text=True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lightning_ckpt import bench
+import benchmarks as bench  # python -m benchmarks --mode MODE
 
 
 def test_bench_offload_tiny(tmp_path: Path) -> None:

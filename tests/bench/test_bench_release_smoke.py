@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import benchmarks as bench  # python -m benchmarks --mode MODE
 from benchmarks import release as bench_release
-from lightning_ckpt import bench
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the benchmark reads Linux /proc")
 

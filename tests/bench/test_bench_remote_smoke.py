@@ -10,12 +10,11 @@ import os
 from pathlib import Path
 
 import pytest
-
 from helpers import assert_positive_medians
 
+import benchmarks as bench  # python -m benchmarks --mode MODE
 from benchmarks import remote as bench_remote
 from benchmarks.s3 import s3_environment
-from lightning_ckpt import bench
 from lightning_ckpt.bench import workloads
 
 pytestmark = [

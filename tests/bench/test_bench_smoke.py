@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from helpers import assert_positive_medians
 
 from lightning_ckpt import bench
@@ -15,7 +14,6 @@ from lightning_ckpt.bench import report as bench_report
 from lightning_ckpt.bench import save
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the benchmark reads Linux /proc")
-
 
 
 def test_bench_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

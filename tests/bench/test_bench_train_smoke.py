@@ -9,9 +9,9 @@ import os
 from pathlib import Path
 
 import pytest
-
 from helpers import assert_positive_medians
 
+import benchmarks
 from benchmarks import train
 from lightning_ckpt import bench
 from lightning_ckpt.bench import report
@@ -29,7 +29,7 @@ def test_bench_train_cpu_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     json_path = tmp_path / "results" / "train.json"
     argv = ["--mode", "train", "--device", "cpu", *TINY, "--dir", str(ckpt_dir), "--json", str(json_path)]
 
-    assert bench.main(argv) == 0
+    assert benchmarks.main(argv) == 0
 
     report = json.loads(json_path.read_text())
     assert {"command", "argv", "settings", "machine", "results"} <= report.keys()
@@ -85,7 +85,7 @@ def test_bench_train_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match="--params"):
         report.parse_count("lots", "--params")
     with pytest.raises(SystemExit):
-        bench.main(["--mode", "train", "--device", "cpu", "--contenders", "nope"])
+        benchmarks.main(["--mode", "train", "--device", "cpu", "--contenders", "nope"])
     assert "--contenders" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--help"])

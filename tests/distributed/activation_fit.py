@@ -24,7 +24,7 @@ from helpers import close_process_group  # noqa: E402
 from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 
 import lightning_ckpt as lc  # noqa: E402
-from lightning_ckpt.activation import checkpointed_paths  # noqa: E402
+from lightning_ckpt.lightning.activation import checkpointed_paths  # noqa: E402
 
 LAYERS, STEPS = 2, 3
 STRATEGY = sys.argv[2]

@@ -23,7 +23,7 @@ from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 from models import trainer_kwargs  # noqa: E402
 
 import lightning_ckpt as lc  # noqa: E402
-from lightning_ckpt import manifest as fmt  # noqa: E402
+from lightning_ckpt.format import manifest as fmt  # noqa: E402
 
 ASYNC = len(sys.argv) > 2 and sys.argv[2] == "async"
 gathers: list[int] = []  # broadcasts of optimizer state on the training thread (state_dict's gather)

@@ -13,9 +13,9 @@ from datetime import timedelta
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
+from helpers import close_process_group  # noqa: E402
 from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from helpers import close_process_group  # noqa: E402
 from models import TinyRegressor, trainer_kwargs  # noqa: E402
 
 import lightning_ckpt as lc  # noqa: E402

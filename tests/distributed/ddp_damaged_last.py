@@ -16,12 +16,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 from helpers import close_process_group, flip_byte  # noqa: E402
+from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 from models import TinyRegressor, trainer_kwargs  # noqa: E402
 
 import lightning_ckpt as lc  # noqa: E402
-from lightning_ckpt.reader import read_manifest  # noqa: E402
+from lightning_ckpt.format.reader import read_manifest  # noqa: E402
+
 
 def fit(out: str, max_epochs: int, ckpt_path: str | None = None) -> tuple[Trainer, TinyRegressor]:
     seed_everything(0, workers=True)

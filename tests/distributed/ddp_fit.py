@@ -14,12 +14,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from lightning.pytorch import Trainer  # noqa: E402
 from helpers import close_process_group  # noqa: E402
+from lightning.pytorch import Trainer  # noqa: E402
 from models import TinyRegressor, fit_regressor  # noqa: E402
 
 import lightning_ckpt as lc  # noqa: E402
-
 
 ASYNC = len(sys.argv) > 2 and sys.argv[2] == "async"
 

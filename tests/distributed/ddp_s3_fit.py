@@ -16,8 +16,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 from helpers import close_process_group  # noqa: E402
+from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 from models import TinyRegressor, trainer_kwargs  # noqa: E402
 
 import lightning_ckpt as lc  # noqa: E402

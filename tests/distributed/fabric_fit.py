@@ -22,6 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from distributed.sharded_fit import states_equal  # noqa: E402
 from helpers import close_process_group  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.strategies import DDPStrategy  # noqa: E402
@@ -32,7 +33,6 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 )
 
 import lightning_ckpt as lc  # noqa: E402
-from distributed.sharded_fit import states_equal  # noqa: E402
 
 ASYNC = os.environ.get("LCKPT_TEST_ASYNC") == "1"
 

@@ -31,7 +31,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 from models import trainer_kwargs  # noqa: E402
 
 import lightning_ckpt as lc  # noqa: E402
-from lightning_ckpt import manifest as fmt  # noqa: E402
+from lightning_ckpt.format import manifest as fmt  # noqa: E402
 
 WIDTH = 64
 CHUNK = "17KiB"  # the offload strategy's chunk: one 64 x 64 layer (weight and bias) each

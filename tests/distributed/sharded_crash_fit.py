@@ -38,7 +38,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_ckpt as lc  # noqa: E402
-from lightning_ckpt.shards import ShardWriter  # noqa: E402
+from lightning_ckpt.store.shards import ShardWriter  # noqa: E402
 
 WIDTH = 1024  # 3 square layers: 3.1M parameters; with AdamW's two moments ~19 MB per rank per save
 PART_TIMEOUT = 20.0

@@ -25,7 +25,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from distributed.sharded_fit import CaptureRestored, FSDP1Net, ShardedNet, fit_and_resume, states_equal  # noqa: E402
+from distributed.sharded_fit import (  # noqa: E402
+    CaptureRestored,
+    FSDP1Net,
+    ShardedNet,
+    fit_and_resume,
+    states_equal,
+)
 from helpers import close_process_group  # noqa: E402
 from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402

@@ -37,8 +37,8 @@ from pathlib import Path
 import pytest
 
 import lightning_ckpt as lc
-from lightning_ckpt import manifest as fmt
-from lightning_ckpt.writer import PART_MARKER
+from lightning_ckpt.format import manifest as fmt
+from lightning_ckpt.store.commit import PART_MARKER
 
 pytestmark = pytest.mark.distributed
 

@@ -53,7 +53,7 @@ def _rank(rank: int, folder: str, report: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import lightning_ckpt as lc
-    from lightning_ckpt.distributed import load_sharded
+    from lightning_ckpt.format.dcp import load_sharded
 
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))

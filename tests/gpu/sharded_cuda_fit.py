@@ -15,7 +15,10 @@ import sys
 
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_ckpt as lc

@@ -86,7 +86,7 @@ def test_async_copies_overlap_forward_backward_and_are_handed_over_before_the_st
         state = _snapshot(model, optimizer)
         expected = _host_copy(state)
         io.prepare_staging(64 * 2**20, on_device=True)
-        io.async_saver.pool._preparer.wait_for(io.async_saver.pool.nbytes)  # no page-locking inside this save
+        io.async_saver.pool.preparer.wait_for(io.async_saver.pool.nbytes)  # no page-locking inside this save
         torch.cuda.synchronize()
         # Keep the training stream busy for a while: the copies (ordered after it) are still in
         # flight when the step comes, so the hand-over is exercised whatever the GPU's speed.
@@ -172,7 +172,7 @@ def test_staging_pool_is_pinned_in_the_background_before_the_first_save(tmp_path
         io.prepare_staging(600 * 2**20, on_device=True)  # more than one PIN_CHUNK
         pool = io.async_saver.pool
         assert pool.nbytes > 600 * 2**20
-        pool._preparer.wait_for(pool.nbytes)
+        pool.preparer.wait_for(pool.nbytes)
         assert pool.pinned_bytes == pool.nbytes
         generation = pool.generation
         state = _snapshot(model, optimizer)
@@ -188,7 +188,7 @@ def test_staging_pool_is_pinned_in_the_background_before_the_first_save(tmp_path
 def test_release_memory_empties_the_cache_only_under_allocator_pressure():
     import gc
 
-    from lightning_ckpt.memory import memory_stats, release_memory
+    from lightning_ckpt.lightning.release import memory_stats, release_memory
 
     gc.collect()
     torch.cuda.empty_cache()
@@ -265,7 +265,7 @@ def test_trainer_async_saves_with_overlapped_copies_hold_the_state_of_their_step
 def test_a_stage_that_fails_midway_leaves_no_copy_running_and_the_next_save_is_exact(tmp_path, monkeypatch):
     """Copies queued before the failure are finished with it: none lands over the next save's bytes,
     and the next save's copies wait for the training stream again."""
-    from lightning_ckpt import staging
+    from lightning_ckpt.save import staging
 
     model, optimizer = _bn_model()
     io = lc.ShardedCheckpointIO(async_save=True, max_shard_size="64KB")  # several shards

@@ -204,7 +204,6 @@ def test_fp16_mixed_scales_the_host_gradients_equal_to_the_default_strategy():
     assert stats["peak_device_bytes"] <= stats["device_memory_budget"] and stats["streamed_chunks"] > 0
 
 
-
 def test_a_model_already_on_the_device_counts_in_the_peak():
     """Built on the GPU, the model is moved into the host chunks at setup: its device memory was
     this run's, so the peak counts it rather than hiding it in the baseline (freed, it would have

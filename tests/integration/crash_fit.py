@@ -40,7 +40,8 @@ class Pace(Callback):
             ready = ready and bool(self.checkpoint.last_model_path) and os.path.isdir(self.checkpoint.last_model_path)
         if ready and not os.path.exists(self.pid_file):
             with open(self.pid_file + ".tmp", "w") as f:
-                f.write(str(self.io.async_saver.worker.pid or ""))
+                saver = self.io.async_saver  # None in sync mode: no writer process
+                f.write(str(saver.worker.pid or "") if saver is not None else "")
             os.replace(self.pid_file + ".tmp", self.pid_file)
         time.sleep(0.01)
 

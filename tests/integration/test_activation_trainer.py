@@ -13,7 +13,7 @@ from lightning.pytorch import seed_everything
 from torch import nn
 
 import lightning_ckpt as lc
-from lightning_ckpt.activation import checkpointed_paths
+from lightning_ckpt.lightning.activation import checkpointed_paths
 
 LAYERS = 3
 

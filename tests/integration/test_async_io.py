@@ -11,7 +11,7 @@ import torch
 from models import STEPS_PER_EPOCH, fit_regressor
 
 import lightning_ckpt as lc
-from lightning_ckpt.plan import iter_tensors
+from lightning_ckpt.format.plan import iter_tensors
 
 
 @pytest.fixture
@@ -36,8 +36,6 @@ def _state(scale: int = 1) -> dict:
         },
         "optimizer_states": [{"state": {0: {"exp_avg": torch.randn(50, 50), "step": torch.tensor(5.0)}}}],
     }
-
-
 
 
 def test_snapshot_holds_the_state_at_save_time(async_io, tmp_path):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import csv
 import gc
-from datetime import timedelta
 import json
 import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 from models import STEPS_PER_EPOCH, TinyRegressor, trainer_kwargs
 
 import lightning_ckpt as lc
-from lightning_ckpt.memory import _malloc_trim, heap_free_bytes
+from lightning_ckpt.lightning.release import _malloc_trim, heap_free_bytes
 
 CONFIGS = [
     dict(monitor="train_loss", mode="min", save_top_k=2, every_n_train_steps=1, save_last=True),
@@ -252,7 +252,7 @@ def test_copies_overlap_only_saves_followed_by_a_training_step(tmp_path):
     swap weights in place there)."""
     from lightning.pytorch.callbacks import Callback
 
-    from lightning_ckpt.callback import _training_step_follows
+    from lightning_ckpt.lightning.callback import _training_step_follows
 
     class Spy(Callback):
         seen: list[tuple[int, int, bool]] = []

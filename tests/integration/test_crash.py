@@ -31,11 +31,10 @@ import time
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 from crash_fit import Ballast, FrozenBallast
-from models import trainer_kwargs
-
 from helpers import process_alive, wait_until_gone
+from lightning.pytorch import Trainer
+from models import trainer_kwargs
 
 import lightning_ckpt as lc
 

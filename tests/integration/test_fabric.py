@@ -193,4 +193,4 @@ def test_a_sync_plugin_starts_nothing_at_optimizer_steps():
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[io])
     model, optimizer = _setup(fabric)
     _train(fabric, model, optimizer, 2)
-    assert io.async_saver.worker.pid is None and io.async_saver.pool.nbytes == 0
+    assert io.async_saver is None  # the async machinery is built only with async_save=True

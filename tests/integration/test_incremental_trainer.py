@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
 from helpers import disk_usage, each_alone
+from lightning.pytorch import Callback, Trainer, seed_everything
 from models import FrozenBackbone, trainer_kwargs
 
 import lightning_ckpt as lc

@@ -13,7 +13,6 @@ from helpers import process_alive, wait_until_gone
 import lightning_ckpt as lc
 
 
-
 def test_ctrl_c_stops_the_writer_and_leaves_only_complete_checkpoints(tmp_path):
     out, pid_file = tmp_path / "ckpts", tmp_path / "writer.pid"
     script = os.path.join(os.path.dirname(__file__), "interrupt_fit.py")

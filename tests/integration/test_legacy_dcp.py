@@ -148,7 +148,7 @@ def test_fsdp_strategy_layout_loads_with_optimizers_in_order(tmp_path):
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "missing"])
 def test_a_damaged_metadata_file_is_named(tmp_path, capsys, damage):
-    from lightning_ckpt import legacy_dcp
+    from lightning_ckpt.format import legacy as legacy_dcp
 
     folder = _plain(tmp_path)
     metadata = folder / ".metadata"

@@ -15,7 +15,7 @@ from models import trainer_kwargs
 from test_offload_strategy import EPOCH, Stack, assert_same, fit, offload
 
 import lightning_ckpt as lc
-from lightning_ckpt.staging import aligned
+from lightning_ckpt.hostmem import aligned
 
 
 def assert_in_place(optimizer: lc.ChunkedAdamW) -> None:

@@ -419,7 +419,6 @@ def test_delayed_copies_are_waited_for_and_slots_released_before_reuse():
     assert resident and set(resident) <= {e[1] for e in slow.entries if e[0] == "wait"}
 
 
-
 class ArenaCheck(Callback):
     """After setup (the optimizer built), before any step: where each parameter's data lies."""
 

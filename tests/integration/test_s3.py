@@ -238,10 +238,10 @@ def test_a_lost_reply_to_the_commit_keeps_the_committed_checkpoint(s3, monkeypat
 def test_incremental_saves_copy_unchanged_objects_on_the_server(s3, tmp_path, mode):
     """A frozen backbone: after the first save, each save uploads only what changed and copies
     the backbone's object on the server; every checkpoint loads alone after the others are gone."""
-    from lightning.pytorch import Trainer, seed_everything
-    from models import FrozenBackbone, trainer_kwargs
     from urllib.parse import unquote
 
+    from lightning.pytorch import Trainer, seed_everything
+    from models import FrozenBackbone, trainer_kwargs
     from test_incremental_trainer import Capture
 
     server, prefix = s3

@@ -35,7 +35,9 @@ def swap_callback() -> None:
     import lightning.pytorch.callbacks.model_checkpoint as model_checkpoint
     import lightning.pytorch.trainer.connectors.callback_connector as callback_connector
 
-    from lightning_ckpt import ShardedModelCheckpoint  # subclasses the real class: import first
+    from lightning_ckpt import (
+        ShardedModelCheckpoint,  # subclasses the real class: import first
+    )
 
     for module in (callbacks, model_checkpoint, callback_connector):
         module.ModelCheckpoint = ShardedModelCheckpoint  # type: ignore[attr-defined,misc]

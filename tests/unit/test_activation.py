@@ -14,7 +14,7 @@ from activation_models import DIM, Block, Decoder
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_ckpt.activation import (
+from lightning_ckpt.lightning.activation import (
     ActivationCheckpointing,
     ActivationCheckpointingError,
     apply_activation_checkpointing,

@@ -12,9 +12,9 @@ import torch
 import xxhash
 
 import lightning_ckpt as lc
-from lightning_ckpt import digests
-from lightning_ckpt import manifest as fmt
-from lightning_ckpt.shards import ShardWriter
+from lightning_ckpt.format import digests
+from lightning_ckpt.format import manifest as fmt
+from lightning_ckpt.store.shards import ShardWriter
 
 
 def test_algorithms():
@@ -43,7 +43,7 @@ def test_both_writer_paths_agree(tmp_path):
     """The streamed (copy/hash/write pipeline) and the staged-image (async writer) paths."""
     writer = ShardWriter(chunk_bytes=4096, direct_io=False)
     blob = torch.arange(10_000, dtype=torch.int32)
-    from lightning_ckpt.plan import Blob
+    from lightning_ckpt.format.plan import Blob
 
     header, _ = fmt.build_header([("x", torch.int32, (10_000,), blob.numel() * 4)])
     streamed = writer.write_shard(str(tmp_path / "s"), header, (Blob("model", "x", blob, torch.int32, (10_000,), 40_000),), False)

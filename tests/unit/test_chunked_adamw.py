@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from lightning_ckpt import ChunkedAdamW
-from lightning_ckpt.offload import ChunkedAdamWError
-from lightning_ckpt.offload import inplace
+from lightning_ckpt.hostmem import aligned
+from lightning_ckpt.offload import ChunkedAdamWError, inplace
 from lightning_ckpt.offload.chunks import plan_chunks
-from lightning_ckpt.staging import aligned
 
 
 class Net(torch.nn.Module):

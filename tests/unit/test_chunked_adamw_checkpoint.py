@@ -11,9 +11,9 @@ import safetensors.torch
 import torch
 
 from lightning_ckpt import ChunkedAdamW
+from lightning_ckpt.format.plan import make_plan
 from lightning_ckpt.offload import inplace
-from lightning_ckpt.plan import make_plan
-from lightning_ckpt.staging import DeferredCopies, StagingPool, layout
+from lightning_ckpt.save.staging import DeferredCopies, StagingPool, layout
 
 
 def _model_and_optimizer(in_place: bool = False) -> tuple[torch.nn.Module, ChunkedAdamW]:

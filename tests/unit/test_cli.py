@@ -13,7 +13,7 @@ import torch
 import lightning_ckpt as lc
 from lightning_ckpt import cli
 from lightning_ckpt.cli import main
-from lightning_ckpt.reader import read_manifest
+from lightning_ckpt.format.reader import read_manifest
 
 
 def _checkpoint(tmp_path):

@@ -17,7 +17,7 @@ import torch
 from distributed.sharded_fit import states_equal
 
 import lightning_ckpt as lc
-from lightning_ckpt.plan import component_names
+from lightning_ckpt.format.plan import component_names
 
 OLD_FABRIC = Path(__file__).parent.parent / "golden" / "fabric-names-v2" / "iter=3.ckpt"
 

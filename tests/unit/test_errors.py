@@ -12,9 +12,9 @@ import torch
 from helpers import flip_byte
 
 import lightning_ckpt as lc
-from lightning_ckpt import manifest as fmt
-from lightning_ckpt.shards import ShardWriter
-from lightning_ckpt.writer import TMP_MARKER
+from lightning_ckpt.format import manifest as fmt
+from lightning_ckpt.store.commit import TMP_MARKER
+from lightning_ckpt.store.shards import ShardWriter
 
 
 def _save(tmp_path, name: str = "ck.ckpt", **extra) -> str:
@@ -248,7 +248,7 @@ def test_stale_temporaries_are_cleaned_but_live_ones_are_not(tmp_path):
     stale = tmp_path / f".old.ckpt{TMP_MARKER}123-dead"
     stale.mkdir()
     (stale / "model-00001-of-00001.safetensors").write_bytes(b"partial")
-    from lightning_ckpt.writer import TempDir
+    from lightning_ckpt.store.commit import TempDir
 
     live = TempDir(str(tmp_path / "other.ckpt"))  # holds its lock like a save in progress
     _save(tmp_path)
@@ -325,7 +325,7 @@ def test_bad_arguments_are_named():
 def test_a_write_error_mid_shard_raises_instead_of_hanging(tmp_path, monkeypatch):
     import threading
 
-    from lightning_ckpt import shards
+    from lightning_ckpt.store import shards
 
     calls = []
     original = shards._write_all
@@ -356,7 +356,7 @@ def test_a_write_error_mid_shard_raises_instead_of_hanging(tmp_path, monkeypatch
 
 
 def test_fallback_commit_puts_the_old_checkpoint_back_when_the_second_rename_fails(tmp_path, monkeypatch):
-    from lightning_ckpt import writer
+    from lightning_ckpt.store import commit as writer
 
     path = _save(tmp_path, "last.ckpt")
     before = lc.load_checkpoint(path)["state_dict"]["w"].clone()

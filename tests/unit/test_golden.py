@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import lightning_ckpt as lc
-from lightning_ckpt import manifest as fmt
+from lightning_ckpt.format import manifest as fmt
 
 GOLDEN_V1 = Path(__file__).parent.parent / "golden" / "v1" / "epoch=1-step=42.ckpt"
 GOLDEN = Path(__file__).parent.parent / "golden" / f"v{fmt.FORMAT_VERSION}" / "epoch=1-step=42.ckpt"

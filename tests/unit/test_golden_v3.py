@@ -16,7 +16,7 @@ from golden.make_v3 import GOLDEN_V3, SHARDED, WORLD_SIZE, golden_sharded_checkp
 from helpers import flip_byte
 
 import lightning_ckpt as lc
-from lightning_ckpt import manifest as fmt
+from lightning_ckpt.format import manifest as fmt
 
 
 def _tensors(tree: object, prefix: str = "") -> dict[str, torch.Tensor]:

@@ -13,20 +13,17 @@ from helpers import disk_usage, each_alone
 
 import lightning_ckpt as lc
 from lightning_ckpt import ShardedCheckpointIO
-from lightning_ckpt import manifest as fmt
-from lightning_ckpt.incremental import (
+from lightning_ckpt.format import manifest as fmt
+from lightning_ckpt.format.plan import make_plan
+from lightning_ckpt.format.reader import read_manifest
+from lightning_ckpt.save.changes import Snapshot, Tracker, frozen_keys, stable_predicate
+from lightning_ckpt.store.reuse import (
     Reused,
     ReuseUnavailable,
-    Snapshot,
-    Tracker,
     file_id,
-    frozen_keys,
     place_reused,
-    stable_predicate,
     stored_files,
 )
-from lightning_ckpt.plan import make_plan
-from lightning_ckpt.reader import read_manifest
 
 
 def _model() -> torch.nn.Module:

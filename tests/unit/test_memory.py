@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from lightning_ckpt.memory import (
+from lightning_ckpt.lightning.release import (
     RELEASE_MODES,
     MemoryReleaser,
     MemoryStats,

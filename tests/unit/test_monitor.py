@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_ckpt.monitor import SaveMonitor, SaveRecord
+from lightning_ckpt.lightning.monitor import SaveMonitor, SaveRecord
 
 
 def _record(step_index: int) -> SaveRecord:
@@ -79,7 +79,7 @@ def test_stall_counts_the_call_the_release_and_the_copy_wait():
 def test_the_save_line_labels_every_figure_within_100_columns(name, nbytes, durable_s, skipped, released, expected):
     from rich.text import Text
 
-    from lightning_ckpt.monitor import save_line
+    from lightning_ckpt.lightning.monitor import save_line
 
     record = SaveRecord(
         3, f"/data/runs/a-long-experiment-name/checkpoints/{name}", 48000, 48000, 0.0123, 0.0021, nbytes, durable_s,

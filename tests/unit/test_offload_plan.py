@@ -249,7 +249,7 @@ def test_prefetch_order_and_eviction_after_the_warm_up():
 def test_the_host_gradients_scaler_keeps_the_scalers_state_and_results():
     """On CUDA the strategy makes Lightning's scaler copy its scale to the host before unscaling
     host gradients (tests/gpu covers the race); the scaler's settings, state and arithmetic stay."""
-    from lightning_ckpt.offload.strategy import unscale_on_the_host
+    from lightning_ckpt.lightning.offload_strategy import unscale_on_the_host
 
     def run(scaler: torch.amp.GradScaler, poison: bool) -> tuple[torch.Tensor, float]:
         p = torch.nn.Parameter(torch.ones(4))

@@ -15,6 +15,7 @@ import torch
 from helpers import flip_byte
 
 import lightning_ckpt as lc
+from lightning_ckpt.format import manifest as fmt
 
 
 def _state(step: int = 1) -> dict:
@@ -66,7 +67,7 @@ def test_two_ranks_spread_the_replicated_state_and_one_process_loads_it_whole(tm
     path = tmp_path / "c.ckpt"
     assert _save_on_ranks(path, [_state(), _state()]) == [None, None]
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["format_version"] == lc.manifest.SHARDED_FORMAT_VERSION == 3
+    assert manifest["format_version"] == fmt.SHARDED_FORMAT_VERSION == 3
     assert manifest["extra"] == {"world_size": 2}
     shards = {n: f["rank"] for n, f in manifest["files"].items() if n.endswith(".safetensors")}
     assert set(shards.values()) == {0, 1} and all(f"rank{r:05d}" in n for n, r in shards.items())
@@ -90,7 +91,7 @@ def test_a_rank_that_saves_other_tensors_fails_the_save_and_keeps_the_old_checkp
 
 def test_a_sharded_load_leaves_skipped_components_unread(tmp_path):
     # Evaluating from a sharded checkpoint reads no optimizer file (not even to hash it).
-    from lightning_ckpt.distributed import load_sharded
+    from lightning_ckpt.format.dcp import load_sharded
 
     path = tmp_path / "c.ckpt"
     assert _save_on_ranks(path, [_state(), _state()]) == [None, None]
@@ -108,7 +109,7 @@ def test_a_sharded_load_leaves_skipped_components_unread(tmp_path):
 
 def test_ranks_agree_on_the_layout_whatever_device_their_shards_live_on():
     # Rank k's shards are on cuda:k: a layout that counted devices failed every multi-GPU save.
-    from lightning_ckpt.distributed import layout_digest, plan_part
+    from lightning_ckpt.save.ranks import layout_digest, plan_part
 
     tensors = plan_part(_state(), 0, 2, 2**20).tensors
     assert {t["device"] for t in tensors} == {"cpu"}
@@ -145,7 +146,7 @@ def test_the_next_run_removes_part_folders_of_other_runs(tmp_path):
 
 def test_sharded_resume_from_a_url_without_local_dir_names_the_fix():
     import lightning_ckpt as lc
-    from lightning_ckpt.strategies import _local_copy
+    from lightning_ckpt.lightning.strategies import _local_copy
 
     strategy = lc.ShardedModelParallelStrategy()
     io = lc.ShardedCheckpointIO()
@@ -156,7 +157,7 @@ def test_sharded_resume_from_a_url_without_local_dir_names_the_fix():
 def test_a_reused_storage_reader_reads_the_checkpoint_as_it_is_now(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from lightning_ckpt.distributed import ShardedStorageReader
+    from lightning_ckpt.format.dcp import ShardedStorageReader
 
     path = tmp_path / "last.ckpt"
     lc.save_checkpoint({"state_dict": {"w": torch.zeros(3)}}, path)

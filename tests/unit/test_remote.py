@@ -17,14 +17,13 @@ from lightning_ckpt import (
     MissingDependencyError,
     ShardedCheckpointIO,
     load_checkpoint,
+    remote,
     remove_checkpoint,
     save_checkpoint,
     verify_checkpoint,
 )
-from lightning_ckpt import manifest as fmt
-from lightning_ckpt import remote
+from lightning_ckpt.format import manifest as fmt
 from lightning_ckpt.remote import commit, tier
-
 
 pytestmark = pytest.mark.usefixtures("memory_fs")  # tests/conftest.py
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import lightning_ckpt as lc
-from lightning_ckpt.plan import make_plan, parse_size
+from lightning_ckpt.format.plan import make_plan, parse_size
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,

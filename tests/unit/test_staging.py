@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from lightning_ckpt.plan import make_plan
-from lightning_ckpt.staging import ALIGN, Ring, StagingPool, aligned, layout
+from lightning_ckpt.format.plan import make_plan
+from lightning_ckpt.save.staging import ALIGN, Ring, StagingPool, aligned, layout
 
 
 def test_layout_puts_every_image_at_an_aligned_offset():
@@ -63,8 +63,8 @@ def test_pin_pieces_end_at_range_ends_and_stay_within_a_registration_chunk():
     """An owner's ranges (ChunkedAdamW's chunks) never span two page-locked registrations: every
     piece ends where a range ends, holds at most PIN_CHUNK unless one range alone is longer, and
     the pieces cover the pool."""
-    from lightning_ckpt.pinning import PIN_CHUNK, pin_pieces
-    from lightning_ckpt.staging import ALIGN
+    from lightning_ckpt.hostmem import PIN_CHUNK, pin_pieces
+    from lightning_ckpt.save.staging import ALIGN
 
     rng = random.Random(0)
     for _ in range(200):
@@ -88,7 +88,8 @@ def test_preparer_registers_the_given_pieces_and_ready_is_a_registered_prefix(mo
     import ctypes
     import threading
 
-    from lightning_ckpt import pinning, staging
+    from lightning_ckpt import hostmem as pinning
+    from lightning_ckpt.save import staging
 
     calls: list[tuple[int, int]] = []
     lock = threading.Lock()
@@ -124,7 +125,7 @@ def test_preparer_registers_the_given_pieces_and_ready_is_a_registered_prefix(mo
             with lock:
                 registered = sum(n for _, n in calls)
             assert registered >= end, (trial, end, registered)
-        pool._preparer._thread.join()
+        pool.preparer._thread.join()
         starts = [0, *pieces[:-1]]
         assert calls == [(base + s, e - s) for s, e in zip(starts, pieces)], trial
         assert pool.pinned_bytes == nbytes
@@ -135,7 +136,7 @@ def test_async_staging_refuses_tensors_on_two_cuda_devices_with_the_fix():
     """One side stream and one event per save cover one device: staging from two in one process
     would let the writer read bytes not landed yet. A plan-like object stands in (the
     check reads `cuda_devices()` only)."""
-    from lightning_ckpt.staging import one_device
+    from lightning_ckpt.save.staging import one_device
 
     class TwoDevices:
         def cuda_devices(self) -> set[torch.device]:
@@ -170,7 +171,7 @@ def test_a_pool_collected_unclosed_gives_back_its_memory_and_ends_its_thread():
 
 def test_an_interpreter_exiting_right_after_dropping_a_pool_exits_cleanly():
     script = (
-        "from lightning_ckpt.staging import StagingPool\n"
+        "from lightning_ckpt.save.staging import StagingPool\n"
         "pool = StagingPool(); pool.reserve(1 << 21); pool.wait_writable(1 << 21)\n"
         "del pool\n"
     )
@@ -182,7 +183,7 @@ def test_an_interpreter_exiting_right_after_dropping_a_pool_exits_cleanly():
 def test_a_finalizer_run_on_the_pools_own_threads_does_not_wait_for_them(monkeypatch):
     """A garbage collection can run an unclosed pool's finalizer on one of its page-faulting
     threads, while the pool's thread waits for that very thread: the release must not join there."""
-    from lightning_ckpt import pinning
+    from lightning_ckpt import hostmem as pinning
 
     pool = StagingPool()
     owned = pool._owned
@@ -213,7 +214,7 @@ def test_a_background_unmap_leaves_only_the_plain_mapping_to_its_thread():
     while the interpreter exits aborts the process (torch's deleter takes the GIL back there)."""
     pool = StagingPool()
     pool.reserve(8 * ALIGN)
-    view = pool._view
+    view = pool.view
     owned = pool._owned
     pool.close(unmap_in_background=True)
     assert owned.view is None and owned.preparer is None and owned.fd is None and owned.mapping is None

@@ -12,7 +12,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import lightning_ckpt as lc
-from lightning_ckpt.saver import Pending
+from lightning_ckpt.save.background import Pending
 
 
 class LandOnHandOver:

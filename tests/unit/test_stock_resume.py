@@ -3,10 +3,14 @@ and save (``strategies.enable_sharded_checkpoints``); the loads themselves run i
 
 from __future__ import annotations
 
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+)
 
 import lightning_ckpt as lc
-from lightning_ckpt.strategies import enable_sharded_checkpoints
+from lightning_ckpt.lightning.strategies import enable_sharded_checkpoints
 
 
 class UserFSDPStrategy(FSDPStrategy):

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import lightning_ckpt.schedule as schedule_module
+import lightning_ckpt.lightning.schedule as schedule_module
 from lightning_ckpt import ShardedModelCheckpoint
 
 INTERVAL = 60.0

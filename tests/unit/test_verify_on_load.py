@@ -15,7 +15,7 @@ import torch
 from helpers import flip_byte
 
 import lightning_ckpt as lc
-from lightning_ckpt import reader
+from lightning_ckpt.format import reader
 
 MODEL = "model-00001-of-00001.safetensors"
 OPTIMIZER = "optimizer-00001-of-00001.safetensors"

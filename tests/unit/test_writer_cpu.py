@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from lightning_ckpt import manifest as fmt
-from lightning_ckpt import shards
-from lightning_ckpt.worker import _wait_exit
+from lightning_ckpt.format import manifest as fmt
+from lightning_ckpt.save.worker import _wait_exit
+from lightning_ckpt.store import shards
 
 
 def _image(size: int) -> mmap.mmap:
@@ -100,7 +100,7 @@ def test_background_digest_hurry_hashes_the_rest_while_the_idle_thread_is_starve
 
 
 def test_unwritable_probes_without_leaving_anything(tmp_path):
-    from lightning_ckpt.writer import unwritable
+    from lightning_ckpt.store.commit import unwritable
 
     assert unwritable(tmp_path / "a" / "b") is None and os.listdir(tmp_path) == []
     (tmp_path / "file").write_text("x")
@@ -108,7 +108,7 @@ def test_unwritable_probes_without_leaving_anything(tmp_path):
 
 
 def test_unwritable_names_a_read_only_filesystem(tmp_path):
-    from lightning_ckpt.writer import unwritable
+    from lightning_ckpt.store.commit import unwritable
 
     mount = tmp_path / "ro"
     mount.mkdir()

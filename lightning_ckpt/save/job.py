@@ -29,12 +29,15 @@ from typing import Any
 
 import torch
 
-from lightning_ckpt import parts, remote, writer
-from lightning_ckpt.incremental import Reused
-from lightning_ckpt.plan import Plan, Stable, make_plan
-from lightning_ckpt.server_copy import ServerCopies
-from lightning_ckpt.shards import ShardWriter
-from lightning_ckpt.writer import ImageSource, WriteResult, write_checkpoint
+from lightning_ckpt import remote
+from lightning_ckpt._version import __version__
+from lightning_ckpt.format.plan import Plan, Stable, make_plan
+from lightning_ckpt.remote.server_copy import ServerCopies
+from lightning_ckpt.store import commit as writer
+from lightning_ckpt.store import parts
+from lightning_ckpt.store.commit import ImageSource, WriteResult, write_checkpoint
+from lightning_ckpt.store.reuse import Reused
+from lightning_ckpt.store.shards import ShardWriter
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,6 @@ def local_copy(url: str, options: remote.RemoteOptions) -> Iterator[str]:
 @functools.lru_cache(maxsize=1)  # constant for the process; the package metadata lookups are not free
 def created_by() -> dict[str, str]:
     """The versions recorded in every manifest's ``created_by``."""
-    from lightning_ckpt import __version__
 
     versions = {"lightning_ckpt": __version__, "torch": torch.__version__, "python": sys.version.split()[0]}
     for package in ("lightning", "pytorch-lightning"):
@@ -203,9 +205,14 @@ class SaveJob:
             upload(functools.partial(destination.publish, self.reuse))
             return dataclasses.replace(result, path=destination.path)
         published = destination.publish(self.reuse)
-        return WriteResult(  # reused: not uploaded (copied on the server)
-            destination.path, published.nbytes, result.seconds + published.seconds, result.files, result.direct_io,
-            published.copied_bytes, result.stored,
+        return WriteResult(
+            path=destination.path,
+            nbytes=published.nbytes,
+            seconds=result.seconds + published.seconds,
+            files=result.files,
+            direct_io=result.direct_io,
+            reused_bytes=published.copied_bytes,  # reused: not uploaded (copied on the server)
+            stored=result.stored,
         )
 
 

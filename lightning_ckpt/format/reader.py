@@ -28,15 +28,15 @@ from typing import Any, TypeVar, Union
 
 import torch
 
-from lightning_ckpt import digests
-from lightning_ckpt import manifest as fmt
 from lightning_ckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     UnsafeCheckpointError,
     UnsupportedFormatError,
 )
-from lightning_ckpt.plan import contiguous_strides, decode_tree, format_key_path
+from lightning_ckpt.format import digests
+from lightning_ckpt.format import manifest as fmt
+from lightning_ckpt.format.plan import contiguous_strides, decode_tree, format_key_path
 
 MapLocation = Union[None, str, torch.device, dict[str, str], Callable[..., Any]]
 _HASH_THREADS = 4  # shards hashed at once on load (bounded by the CPU count and the shard count)

@@ -34,11 +34,11 @@ from typing import Any, Protocol
 
 import torch
 
-from lightning_ckpt import manifest as fmt
 from lightning_ckpt.errors import CheckpointError, CheckpointWriteError
-from lightning_ckpt.incremental import Reused, StoredFile, place_all, stored_files
-from lightning_ckpt.plan import Blob, Plan, dtype_name
-from lightning_ckpt.shards import ShardWriter, fsync_dir, write_small
+from lightning_ckpt.format import manifest as fmt
+from lightning_ckpt.format.plan import Blob, Plan, dtype_name
+from lightning_ckpt.store.reuse import Reused, StoredFile, place_all, stored_files
+from lightning_ckpt.store.shards import ShardWriter, fsync_dir, write_small
 
 TMP_MARKER = ".lckpt-tmp-"
 PART_MARKER = ".lckpt-part-"  # the shared folder of a multi-rank save (see ``parts``)
@@ -56,8 +56,10 @@ class ImageSource(Protocol):
     def written(self, filename: str) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WriteResult:
+    """What a save committed (built by keyword)."""
+
     path: str
     nbytes: int  # bytes of the checkpoint, all files (written or reused)
     seconds: float  # until durable (committed and fsynced)
@@ -65,7 +67,6 @@ class WriteResult:
     direct_io: bool
     reused_bytes: int = 0  # of ``nbytes``, in shard files reused from an earlier checkpoint
     stored: tuple[StoredFile, ...] = ()  # the shard files as committed (see ``incremental.Tracker``)
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,7 +336,10 @@ def write_checkpoint(
         raise error from err
     tmp.release(remove=False)
     total, reused_bytes = manifest.total_bytes + len(data), sum(files[name].size for name in reused)
-    return WriteResult(target, total, time.perf_counter() - start, len(files) + 1, direct, reused_bytes, stored)
+    seconds = time.perf_counter() - start
+    return WriteResult(
+        path=target, nbytes=total, seconds=seconds, files=len(files) + 1, direct_io=direct, reused_bytes=reused_bytes, stored=stored
+    )
 
 
 def unwritable(folder: str | os.PathLike[str]) -> str | None:
@@ -508,4 +512,3 @@ def link_checkpoint(filepath: str, linkpath: str) -> None:
         temporary.release(remove=True)
         raise
     temporary.release(remove=False)
-

@@ -18,9 +18,9 @@ from collections.abc import Iterator
 
 import torch
 
-from lightning_ckpt import manifest as fmt
 from lightning_ckpt._fs import drop_page_cache
-from lightning_ckpt.plan import Blob
+from lightning_ckpt.format import manifest as fmt
+from lightning_ckpt.format.plan import Blob
 
 _ALIGN = 4096  # O_DIRECT alignment for buffer address, file offset and length
 DEFAULT_CHUNK_BYTES = 16 * 2**20
@@ -317,7 +317,6 @@ def _open_for_write(path: str, direct: bool) -> int:
     return os.open(path, flags | (os.O_DIRECT if direct else 0), 0o644)
 
 
-
 def _probe_direct(directory: str, aligned: mmap.mmap) -> bool:
     """Does this filesystem accept O_DIRECT writes from an aligned buffer? (tmpfs does not)."""
     if not hasattr(os, "O_DIRECT"):
@@ -343,4 +342,3 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-

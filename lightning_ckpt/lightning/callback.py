@@ -50,11 +50,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_ckpt import manifest as fmt
 from lightning_ckpt.compile import install_load_hook, strip_compiled_prefixes
 from lightning_ckpt.errors import CheckpointWriteError
-from lightning_ckpt.io import CheckpointIOFeatures, ShardedCheckpointIO
-from lightning_ckpt.memory import (
+from lightning_ckpt.format import manifest as fmt
+from lightning_ckpt.lightning.plugin import CheckpointIOFeatures, ShardedCheckpointIO
+from lightning_ckpt.lightning.records import SaveRecorder, features, saves_async
+from lightning_ckpt.lightning.release import (
     DEFAULT_RELEASE_THRESHOLD_MB,
     EmptyCudaCache,
     MemoryReleaser,
@@ -62,12 +63,16 @@ from lightning_ckpt.memory import (
     memory_stats,
     release_mode,
 )
-from lightning_ckpt.records import SaveRecorder, features, saves_async
+from lightning_ckpt.lightning.resume import listing
+from lightning_ckpt.lightning.schedule import TimeSchedule
+from lightning_ckpt.lightning.strategies import (
+    enable_sharded_checkpoints,
+    prepare_staging,
+    save_from_ranks,
+    sharded_io,
+)
 from lightning_ckpt.remote import is_remote, url_key
-from lightning_ckpt.resume import listing
-from lightning_ckpt.schedule import TimeSchedule
-from lightning_ckpt.strategies import enable_sharded_checkpoints, prepare_staging, save_from_ranks, sharded_io
-from lightning_ckpt.writer import link_checkpoint, unwritable
+from lightning_ckpt.store.commit import link_checkpoint, unwritable
 
 # Checkpoint paths known to exist, per folder (see the module docstring); shared by instances
 # saving into the same folder, and reset from the filesystem at every ``setup``.
@@ -106,11 +111,11 @@ class ShardedModelCheckpoint(ModelCheckpoint):
             ``"always"``: ``gc.collect()``, the CUDA cache per ``empty_cuda_cache`` and
             ``malloc_trim(0)`` after every save, on the training thread (the behaviour before
             ``"auto"``). ``"never"`` (``False``): nothing. What was left, released, skipped and
-            why is recorded. The async staging pool is never released. See ``lightning_ckpt.memory``.
+            why is recorded. The async staging pool is never released. See ``lightning_ckpt.lightning.release``.
         empty_cuda_cache: ``"on_pressure"`` (default): empty the CUDA caching allocator's cache
             only when it retried or failed an allocation since the previous save (the cache is
             the next step's memory otherwise, and emptying it slows that step down); ``"always"``;
-            ``"never"``. See ``lightning_ckpt.memory``.
+            ``"never"``. See ``lightning_ckpt.lightning.release``.
         slowdown_window: steps before/after a save compared for the post-save slowdown.
         metrics_file: JSON-lines file in the first logger's run folder (``trainer.log_dir``), to
             which each ``fit`` appends one line with every save's record and the step times;

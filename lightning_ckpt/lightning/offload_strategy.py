@@ -33,7 +33,8 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_ckpt.activation import installed_checkpointing, module_matcher
+from lightning_ckpt.format.plan import parse_size
+from lightning_ckpt.lightning.activation import installed_checkpointing, module_matcher
 from lightning_ckpt.offload.adamw import ChunkedAdamW
 from lightning_ckpt.offload.materialize import (
     Pending,
@@ -45,7 +46,6 @@ from lightning_ckpt.offload.materialize import (
 from lightning_ckpt.offload.placement import OffloadBudgetError
 from lightning_ckpt.offload.streamer import Streamer, unique
 from lightning_ckpt.offload.streams import streams_for
-from lightning_ckpt.plan import parse_size
 
 _AUTO_MARGIN = 0.9  # "auto": this share of the device's free memory
 

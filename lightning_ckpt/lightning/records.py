@@ -16,9 +16,19 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from rich.console import Console
 
-from lightning_ckpt.io import CheckpointIOFeatures, location
-from lightning_ckpt.memory import HeapTrim, MemoryReleaser, MemoryStats, SaveRelease
-from lightning_ckpt.monitor import SaveMonitor, SaveRecord, print_summary, save_line
+from lightning_ckpt.lightning.monitor import (
+    SaveMonitor,
+    SaveRecord,
+    print_summary,
+    save_line,
+)
+from lightning_ckpt.lightning.plugin import CheckpointIOFeatures, location
+from lightning_ckpt.lightning.release import (
+    HeapTrim,
+    MemoryReleaser,
+    MemoryStats,
+    SaveRelease,
+)
 
 
 def features(io: Any) -> CheckpointIOFeatures | None:

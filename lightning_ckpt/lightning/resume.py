@@ -11,9 +11,15 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_ckpt import manifest as fmt
-from lightning_ckpt import reader, remote
-from lightning_ckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from lightning_ckpt import remote
+from lightning_ckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+)
+from lightning_ckpt.format import manifest as fmt
+from lightning_ckpt.format import reader
+from lightning_ckpt.format.legacy import is_dcp_checkpoint
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,6 @@ def last_good(last: set[str], depth: int) -> LastGood | None:
     byte changed in place. A newer format (``UnsupportedFormatError``) is not skipped: the load
     says to upgrade.
     """
-    from lightning_ckpt.legacy_dcp import is_dcp_checkpoint
 
     ours = [p for p in listing(os.path.dirname(min(last)), depth) if reader.is_committed(p)]
     candidates = newest_first(last, ours)

@@ -27,28 +27,22 @@ Nothing here imports Lightning.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import os
-import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from lightning_ckpt import manifest as fmt
-from lightning_ckpt import pinning
-from lightning_ckpt.pinning import Owned, Preparer, new_shared_fd
-from lightning_ckpt.plan import Blob, Plan, Shard
-
-ALIGN = 4096
-
-
-def aligned(n: int, align: int = ALIGN) -> int:
-    """``n`` rounded up to ``align`` (default ALIGN: the pool bytes a file image of ``n`` bytes occupies)."""
-    return -(-n // align) * align
+from lightning_ckpt import hostmem
+from lightning_ckpt.format import manifest as fmt
+from lightning_ckpt.format.plan import Blob, Plan, Shard
+from lightning_ckpt.hostmem import (
+    ALIGN,
+    DeferredSource,
+    SharedBuffer,
+    aligned,
+    claim_deferred,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,46 +139,6 @@ class Copies:
         return sum(before.elapsed_time(after) for before, after in self._waits) / 1e3
 
 
-class DeferredSource(Protocol):
-    """Host memory that copies itself into the pool (see the module docstring).
-
-    ``claim`` runs on the staging caller's thread; ``flush`` on whichever thread waits for the
-    save's copies (the hand-off thread, or the caller blocking); the owner's own writer thread
-    copies a claimed region just before it changes it. Invariant: a claimed region's bytes reach
-    ``destination`` as they were at ``claim``, before the owner writes that region again.
-    """
-
-    def claim(self, source: torch.Tensor, destination: torch.Tensor) -> bool:
-        """Copy ``source`` (contiguous host tensor) into ``destination`` later; ``False``: not
-        this source's memory, copy it now."""
-        ...
-
-    def settled(self) -> bool:
-        """Every claimed copy has been made."""
-        ...
-
-    def flush(self) -> None:
-        """Make every claimed copy not made yet, now, in the calling thread."""
-        ...
-
-
-_deferred_sources: weakref.WeakSet[DeferredSource] = weakref.WeakSet()  # type: ignore[type-var]
-
-
-def register_deferred_source(source: DeferredSource) -> None:
-    """Let async saves leave ``source``'s memory to ``source`` (held weakly)."""
-    _deferred_sources.add(source)
-
-
-def _claim(blob_source: torch.Tensor, destination: torch.Tensor) -> DeferredSource | None:
-    if not blob_source.is_contiguous():
-        return None
-    for source in list(_deferred_sources):
-        if source.claim(blob_source, destination):
-            return source
-    return None
-
-
 class DeferredCopies(Copies):
     """The copies of one save whose host bytes are (partly) left to ``DeferredSource`` owners: lands
     once the device copies (``device``, if any) have and every owner has made its copies. ``wait``
@@ -218,7 +172,7 @@ class DeferredCopies(Copies):
         return 0.0 if self._device_copies is None else self._device_copies.waited_seconds()
 
 
-class StagingPool:
+class StagingPool(SharedBuffer):
     """A reusable shared-memory buffer holding the file images of one checkpoint.
 
     Not thread-safe; the caller (``ShardedCheckpointIO``) guarantees that the writer process has
@@ -229,75 +183,11 @@ class StagingPool:
     """
 
     def __init__(self, max_bytes: int | None = None) -> None:
-        self.max_bytes = max_bytes
-        self.nbytes = 0
-        self.generation = 0  # bumped whenever a new buffer replaces the old one
-        self._owned = Owned()
-        # Not at exit: a save in flight may still use the pool then, and the process frees it all.
-        weakref.finalize(self, self._owned.release).atexit = False
+        super().__init__(max_bytes)
         self._stream: torch.cuda.Stream | None = None
         self._queued = False  # device copies queued since the last ``copies()``
         self._claimed: list[DeferredSource] = []  # owners of host bytes left to them by ``stage``
         self.host_bytes_copied = 0  # host bytes ``stage``/``stage_shard`` copied in the caller, ever
-
-    def reserve(self, nbytes: int, pin: bool = False, pieces: Sequence[int] | None = None) -> None:
-        """Make the pool at least ``nbytes`` large (a new buffer only when it must grow) and start
-        faulting it in, and page-locking it if ``pin`` (and CUDA is there), in the background;
-        ``pieces``: the end offsets of its registrations (see :func:`lightning_ckpt.pinning.pin_pieces`),
-        for an owner whose copies must not span two (default: every ``PIN_CHUNK``, which ``stage``
-        splits at)."""
-        pin = pin and torch.cuda.is_available()
-        if nbytes > self.nbytes or self._map is None:
-            if self.max_bytes is not None and nbytes > self.max_bytes:
-                raise ValueError(
-                    f"this checkpoint needs {nbytes} bytes of staging memory, above `staging_pool_size`"
-                    f" ({self.max_bytes}). Raise `staging_pool_size` or save with `async_save=False`."
-                )
-            self.close()
-            self._owned.fd = new_shared_fd(nbytes)
-            self._owned.mapping = mmap.mmap(self._owned.fd, nbytes)
-            self._owned.view = torch.frombuffer(self._owned.mapping, dtype=torch.uint8)
-            self.nbytes = nbytes
-            self.generation += 1
-        if self._preparer is None or (pin and not self._preparer.pin):
-            if self._preparer is not None:  # faulted in for host copies before: page-lock it now
-                self._preparer.close()
-            assert self._view is not None and self._owned.mapping is not None
-            address = ctypes.addressof(ctypes.c_char.from_buffer(self._owned.mapping))
-            self._owned.preparer = Preparer(self._view, address, self.nbytes, pin, pieces)
-
-    @property
-    def fd(self) -> int | None:
-        """The shared memory's descriptor (the writer process maps the pool through it)."""
-        return self._owned.fd
-
-    @property
-    def _preparer(self) -> Preparer | None:
-        return self._owned.preparer
-
-    @property
-    def _map(self) -> mmap.mmap | None:
-        return self._owned.mapping
-
-    @property
-    def _view(self) -> torch.Tensor | None:
-        return self._owned.view
-
-    @property
-    def buffer(self) -> mmap.mmap:
-        assert self._map is not None, "reserve() first"
-        return self._map
-
-    @property
-    def pins(self) -> bool:
-        """Is the pool page-locked, or being page-locked in the background?"""
-        return self._preparer is not None and self._preparer.pin
-
-    @property
-    def pinned_bytes(self) -> int:
-        """Bytes page-locked so far (0 without CUDA or before the first device save)."""
-        p = self._preparer
-        return 0 if p is None else p.registered
 
     def stage(
         self,
@@ -357,7 +247,7 @@ class StagingPool:
         """Copy one shard's file image to ``offset``: host bytes at once (``defer_host``: but those
         a ``DeferredSource`` claims), device bytes queued (see ``copies``), except deferrable device
         blobs, returned as (blob, pool offset) to queue later."""
-        view = self._view
+        view = self.view
         assert view is not None
         header_bytes, entries = header
         self.wait_writable(offset + len(header_bytes))
@@ -372,7 +262,7 @@ class StagingPool:
             if blob.source.device.type != "cuda":
                 self.wait_writable(start + blob.nbytes)  # the owner of a claimed source writes it too
                 destination = view[start : start + blob.nbytes].view(blob.source.dtype).view(blob.source.shape)
-                owner = _claim(blob.source.detach(), destination) if defer_host else None
+                owner = claim_deferred(blob.source.detach(), destination) if defer_host else None
                 if owner is None:
                     destination.copy_(blob.source.detach())
                     self.host_bytes_copied += blob.nbytes
@@ -388,7 +278,7 @@ class StagingPool:
         """Queue a device blob's copy to ``[start, start + nbytes)`` on the side stream, split at
         ``PIN_CHUNK`` boundaries (each chunk is its own registration), each piece waiting only for
         its own chunk to be pinned."""
-        view, preparer = self._view, self._preparer
+        view, preparer = self.view, self.preparer
         assert view is not None and preparer is not None and blob.source is not None
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=blob.source.device)
@@ -403,17 +293,11 @@ class StagingPool:
             source = blob.source.detach().contiguous().view(-1).view(torch.uint8)
             piece = start
             while piece < end:
-                piece_end = min(end, (piece // pinning.PIN_CHUNK + 1) * pinning.PIN_CHUNK)
+                piece_end = min(end, (piece // hostmem.PIN_CHUNK + 1) * hostmem.PIN_CHUNK)
                 preparer.wait_for(piece_end)
                 view[piece:piece_end].copy_(source[piece - start : piece_end - start], non_blocking=True)
                 piece = piece_end
             blob.source.record_stream(self._stream)
-
-    def wait_writable(self, end: int) -> None:
-        """Wait until ``[0, end)`` is faulted in: the background thread must be past a chunk before
-        anything is written to it (its fallback zero-fills)."""
-        assert self._preparer is not None
-        self._preparer.wait_for(min(end, self.nbytes))
 
     def discard_copies(self) -> None:
         """A stage failed midway: let the device copies it queued finish, untracked. Invariant: no
@@ -434,15 +318,6 @@ class StagingPool:
         done = torch.cuda.Event(blocking=True)  # the hand-off thread sleeps on it, not spins
         done.record(self._stream)
         return Copies(done, early_wait, self._stream.device)
-
-    def close(self, unmap_in_background: bool = False) -> None:
-        """Release the buffer (the writer process drops its own mapping when told of a new one);
-        ``unmap_in_background``: unmapping it (0.4 s at 3 GB) on a thread of its own. The map is
-        dropped, never ``close()``d: tensors made with ``torch.frombuffer`` hold a reference to it
-        but no buffer export, so closing it would unmap memory they still view (a state dict kept
-        after its optimizer is gone). The last reference unmaps it."""
-        self._owned.release(unmap_in_background)
-        self.nbytes = 0
 
 
 class Ring:
@@ -475,4 +350,3 @@ class Ring:
 
     def free_oldest(self) -> None:
         self._live.popleft()
-

@@ -558,4 +558,3 @@ def _pack(component: str, blobs: list[Blob], max_shard_size: int, file_tag: str 
         )
         for i, g in enumerate(groups)
     ]
-

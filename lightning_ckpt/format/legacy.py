@@ -37,7 +37,12 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from typing_extensions import override
 
 from lightning_ckpt.errors import (
@@ -47,9 +52,9 @@ from lightning_ckpt.errors import (
     UnsafeCheckpointError,
     UnsupportedFormatError,
 )
-from lightning_ckpt.manifest import MANIFEST_FILE, is_safe_name
-from lightning_ckpt.plan import format_key_path
-from lightning_ckpt.reader import MapLocation, device_for, load_legacy
+from lightning_ckpt.format.manifest import MANIFEST_FILE, is_safe_name
+from lightning_ckpt.format.plan import format_key_path
+from lightning_ckpt.format.reader import MapLocation, device_for, load_legacy
 
 METADATA_FILE = ".metadata"  # DCP's
 META_FILE = "meta.pt"  # Lightning's: the checkpoint dict less the DCP part

@@ -23,15 +23,20 @@ from typing import Any, Optional, Union
 
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
-from lightning.fabric.strategies.strategy import _apply_filter, _validate_keys_for_strict_loading
+from lightning.fabric.strategies.strategy import (
+    _apply_filter,
+    _validate_keys_for_strict_loading,
+)
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_ckpt.io import ShardedCheckpointIO
+from lightning_ckpt.format.dcp import load_sharded
+from lightning_ckpt.format.reader import read_manifest
+from lightning_ckpt.lightning.plugin import ShardedCheckpointIO
+from lightning_ckpt.lightning.strategies import is_lightning_ckpt, spreads_writes
 from lightning_ckpt.remote import is_remote
-from lightning_ckpt.strategies import is_lightning_ckpt, spreads_writes
 
 _State = dict[str, Union[Module, Optimizer, Any]]
 
@@ -127,7 +132,7 @@ class _ThroughThePlugin:
         io = self.checkpoint_io
         if io.async_save:
             io.wait()
-            self.barrier("lightning_ckpt.fabric.load")
+            self.barrier("lightning_ckpt.lightning.fabric.load")
         return self._load(target, state, strict, weights_only)
 
 
@@ -147,7 +152,10 @@ class _FabricShardedCheckpoints(_ThroughThePlugin):
         """Models and optimizers as DCP's ``get_model_state_dict`` / ``get_optimizer_state_dict``
         give them (sharded, where they live: the plugin copies them itself); anything else as it
         is, or its ``state_dict()``."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         module = _distributed_module(state, "fabric.save")
         checkpoint: dict[str, Any] = {}
@@ -198,8 +206,6 @@ class _FabricShardedCheckpoints(_ThroughThePlugin):
             set_optimizer_state_dict,
         )
 
-        from lightning_ckpt.distributed import load_sharded
-        from lightning_ckpt.reader import read_manifest
 
         module = _distributed_module(state, "fabric.load")
         records = read_manifest(path).tensors

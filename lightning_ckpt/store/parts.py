@@ -21,11 +21,9 @@ from typing import Any
 
 import torch
 
-from lightning_ckpt import manifest as fmt
-from lightning_ckpt.incremental import Reused, stored_files
-from lightning_ckpt.plan import Blob, Plan
-from lightning_ckpt.shards import ShardWriter, fsync_dir, write_small
-from lightning_ckpt.writer import (
+from lightning_ckpt.format import manifest as fmt
+from lightning_ckpt.format.plan import Blob, Plan
+from lightning_ckpt.store.commit import (
     PART_MARKER,
     ImageSource,
     WriteResult,
@@ -36,6 +34,8 @@ from lightning_ckpt.writer import (
     write_shards,
     write_small_files,
 )
+from lightning_ckpt.store.reuse import Reused, stored_files
+from lightning_ckpt.store.shards import ShardWriter, fsync_dir, write_small
 
 DEFAULT_PART_TIMEOUT = 1800.0  # seconds rank 0 waits for the other ranks' parts (NCCL's default timeout)
 _PART_POLL_SECONDS = 0.02
@@ -137,7 +137,10 @@ def write_part(
     nbytes = sum(r.size for r in files.values())
     reused_bytes = sum(files[name].size for name in reused)
     if part.rank != 0:
-        return WriteResult(target, nbytes, time.perf_counter() - start, len(files), direct, reused_bytes, stored)
+        seconds = time.perf_counter() - start
+        return WriteResult(
+            path=target, nbytes=nbytes, seconds=seconds, files=len(files), direct_io=direct, reused_bytes=reused_bytes, stored=stored
+        )
     try:
         manifest, reused_bytes = _merge_parts(part, target, metadata, created_by, global_step, epoch)
         data = manifest.to_bytes()
@@ -151,8 +154,9 @@ def write_part(
             raise
         raise error from err
     total = manifest.total_bytes + len(data)
+    seconds = time.perf_counter() - start
     return WriteResult(
-        target, total, time.perf_counter() - start, len(manifest.files) + 1, direct, reused_bytes, stored
+        path=target, nbytes=total, seconds=seconds, files=len(manifest.files) + 1, direct_io=direct, reused_bytes=reused_bytes, stored=stored
     )
 
 

@@ -1,10 +1,11 @@
 """The persistent writer process of async saves, and the parent's handle on it.
 
-The child is started with ``python -m lightning_ckpt.worker`` (not ``multiprocessing``), so a user's
+The child is started with ``python -m lightning_ckpt.save.worker`` (not ``multiprocessing``), so a user's
 training script is never re-imported in it; it runs in a session of its own, so a Ctrl-C in the
 terminal does not interrupt a write, and at a lower CPU priority than training (``_lower_priority``).
-Parent and child talk over a Unix socket pair: length-prefixed pickle frames, with the staging
-pool's file descriptor passed alongside (``SCM_RIGHTS``) whenever the pool is replaced.
+Parent and child talk over a Unix socket pair in the messages of ``protocol``: length-prefixed
+pickle frames, with the staging pool's file descriptor passed alongside (``SCM_RIGHTS``) whenever
+the pool is replaced.
 
 Jobs run in order, one at a time, so a removal queued after a save runs only once that save has
 committed (``ModelCheckpoint`` removes the displaced top-k checkpoint right after asking for the
@@ -26,15 +27,32 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 from lightning_ckpt.errors import CheckpointWriteError
+from lightning_ckpt.remote import RemoteOptions
+from lightning_ckpt.save.job import SaveJob, remove
+from lightning_ckpt.save.protocol import (
+    ImageOffsets,
+    Images,
+    RemoveRequest,
+    Reply,
+    Request,
+    Response,
+    SaveRequest,
+    ShardWritten,
+    Stop,
+    WriterConfig,
+    Written,
+)
+from lightning_ckpt.store.commit import WriteResult
+from lightning_ckpt.store.shards import ShardWriter
 
 _HEADER = struct.Struct("<Q")
 
 
-def _send(sock: socket.socket, message: Any, fds: list[int] | None = None) -> None:
+def _send(sock: socket.socket, message: Request | Response, fds: list[int] | None = None) -> None:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     header = _HEADER.pack(len(data))
     if fds:
@@ -67,7 +85,7 @@ def _recv(sock: socket.socket) -> tuple[Any, list[int]]:
 
 @dataclass
 class _Job:
-    kind: str
+    kind: Literal["save", "remove"]
     path: str
     submitted: float = field(default_factory=time.time)  # wall clock (comparable with the child's): when the save was asked for
 
@@ -78,7 +96,7 @@ class WriterProcess:
     Not thread-safe: owned by one ``ShardedCheckpointIO``, used from the training thread.
     """
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: WriterConfig) -> None:
         self.config = config
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
@@ -90,7 +108,9 @@ class WriterProcess:
         self.last_save_id: int | None = None
         self._failed_saves: set[int] = set()
         self.kept: list[str] = []  # removals the writer skipped because the replacing save failed
-        self.results: list[dict[str, Any]] = []  # completed saves, oldest first (the caller trims)
+        # Completed saves, oldest first (the caller trims): (job id, the result with ``seconds``
+        # from the save call until durable).
+        self.results: list[tuple[int, WriteResult]] = []
 
     @property
     def pid(self) -> int | None:
@@ -100,7 +120,7 @@ class WriterProcess:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "lightning_ckpt.worker", str(child.fileno())],
+            [sys.executable, "-m", "lightning_ckpt.save.worker", str(child.fileno())],
             pass_fds=(child.fileno(),),
             stdin=subprocess.DEVNULL,
             start_new_session=True,
@@ -109,7 +129,7 @@ class WriterProcess:
         child.close()
         self._sock = parent
         self._pool_generation = 0
-        _send(parent, {"kind": "config", **self.config})
+        _send(parent, self.config)
 
     def ensure_started(self) -> None:
         """Start the child if it is not running (failing the jobs of one that died). Called at the
@@ -121,42 +141,47 @@ class WriterProcess:
         if self._proc is None:
             self._start()
 
-    def submit(
-        self,
-        kind: str,
-        path: str,
-        payload: dict[str, Any],
-        pool: tuple[int, int] | None = None,
-        submitted: float | None = None,
+    def submit_save(
+        self, path: str, job: SaveJob, images: ImageOffsets, pool: tuple[int, int], submitted: float, chunked: bool = False
     ) -> int:
-        """Queue a job (``save`` or ``remove``); returns its id. ``pool`` is (fd, generation) of the
-        staging buffer; ``submitted`` the wall-clock time the save was asked for (default: now),
-        from which its result's ``durable_at`` is measured."""
-        self.ensure_started()
-        assert self._sock is not None
+        """Queue a save of ``job`` (its shard images at ``images`` in the staging pool, ``pool``:
+        its (fd, generation)); returns its id. ``submitted``: the wall-clock time the save was
+        asked for, from which its result's ``seconds`` are measured."""
         fds = None
-        if pool is not None and pool[1] != self._pool_generation:
+        if pool[1] != self._pool_generation:
             fds = [pool[0]]
             self._pool_generation = pool[1]
-        job_id = self._next_id
-        self._next_id += 1
-        self._jobs[job_id] = _Job(kind, path) if submitted is None else _Job(kind, path, submitted)
-        if kind == "save":
-            self.last_save_id = job_id
-        try:
-            _send(self._sock, {"kind": kind, "id": job_id, "path": path, **payload}, fds)
-        except OSError:
-            self._collect(block=False)  # the child died: fail its jobs (this one included)
+        job_id = self._queue(_Job("save", path, submitted))
+        self.last_save_id = job_id
+        self._send_request(SaveRequest(id=job_id, path=path, job=job, images=images, chunked=chunked), fds)
         return job_id
 
-    def send_images(self, job_id: int, images: dict[str, tuple[int, int]]) -> None:
+    def submit_remove(self, path: str, after: int | None) -> int:
+        """Queue the removal of the checkpoint at ``path``, to run once save ``after`` committed
+        (kept if it failed); returns its id."""
+        job_id = self._queue(_Job("remove", path))
+        self._send_request(RemoveRequest(id=job_id, path=path, after=after))
+        return job_id
+
+    def _queue(self, job: _Job) -> int:
+        self.ensure_started()
+        job_id = self._next_id
+        self._next_id += 1
+        self._jobs[job_id] = job
+        return job_id
+
+    def _send_request(self, request: Request, fds: list[int] | None = None) -> None:
+        assert self._sock is not None
+        try:
+            _send(self._sock, request, fds)
+        except OSError:
+            self._collect(block=False)  # the child died: fail its jobs (this one included)
+
+    def send_images(self, job_id: int, images: ImageOffsets) -> None:
         """Hand more staged shard images to save ``job_id`` (a pool smaller than the state)."""
         if self._sock is None or job_id not in self._jobs:
             return  # the job already ended (its error, if any, is in take_errors)
-        try:
-            _send(self._sock, {"kind": "images", "id": job_id, "images": images})
-        except OSError:
-            self._collect(block=False)
+        self._send_request(Images(id=job_id, images=images))
 
     def wait_shard_written(self, job_id: int) -> bool:
         """Block until save ``job_id`` has written one more shard; False if the job ended instead."""
@@ -211,29 +236,31 @@ class WriterProcess:
             except (EOFError, OSError):
                 self._died()
                 return
-            if message.get("kind") == "shard_written":
-                self._shards_written.append(message["id"])
+            if isinstance(message, ShardWritten):
+                self._shards_written.append(message.id)
                 if block:
                     return
                 continue
-            job = self._jobs.pop(message["id"], None)
-            if message["status"] == "kept":
-                self.kept.append(message["path"])
-            elif message["status"] == "ok":
-                if job is not None and job.kind == "save":
-                    self.results.append({**message["result"], "path": job.path, "submitted": job.submitted, "id": message["id"]})
+            assert isinstance(message, Reply), message
+            job = self._jobs.pop(message.id, None)
+            if message.status == "kept":
+                self.kept.append(message.path)
+            elif message.status == "ok":
+                if job is not None and message.written is not None:
+                    # seconds: from the save call until the checkpoint was committed and durable
+                    seconds = message.written.durable_at - job.submitted
+                    self.results.append((message.id, replace(message.written.result, path=job.path, seconds=seconds)))
             else:
                 if job is not None and job.kind == "save":
-                    self._failed_saves.add(message["id"])
+                    self._failed_saves.add(message.id)
                 what = f"Background {job.kind if job else 'job'}"
-                explained = message.get("explained", False)
                 self._errors.append(
                     CheckpointWriteError(
-                        f"{what}: {message['error']}"
-                        if explained
-                        else f"{what} of checkpoint {message['path']!r} failed: {message['error']}. The checkpoint was"
+                        f"{what}: {message.error}"
+                        if message.explained
+                        else f"{what} of checkpoint {message.path!r} failed: {message.error}. The checkpoint was"
                         " not committed; earlier checkpoints are intact.",
-                        message["path"],
+                        message.path,
                     )
                 )
             if block:
@@ -275,7 +302,7 @@ class WriterProcess:
         self.wait()
         if self._sock is not None and self._proc is not None:
             try:
-                _send(self._sock, {"kind": "stop", "id": -1, "path": ""})
+                _send(self._sock, Stop())
                 _wait_exit(self._proc, timeout)
             except (OSError, subprocess.TimeoutExpired):
                 self._proc.kill()
@@ -325,17 +352,17 @@ def _wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int:
 class _StagedImages:
     """The child's view of a save's shard images (see ``writer.ImageSource``)."""
 
-    def __init__(self, sock: socket.socket, pool: mmap.mmap, message: dict[str, Any], backlog: deque) -> None:
+    def __init__(self, sock: socket.socket, pool: mmap.mmap, request: SaveRequest, backlog: deque) -> None:
         self.sock, self.pool, self.backlog = sock, pool, backlog
-        self.job_id = message["id"]
-        self.images: dict[str, tuple[int, int]] = dict(message["images"])
-        self.chunked = message.get("chunked", False)
+        self.job_id = request.id
+        self.images: ImageOffsets = dict(request.images)
+        self.chunked = request.chunked
 
     def image(self, filename: str) -> tuple[mmap.mmap, int, int]:
         while filename not in self.images:  # the parent stages it once an older shard is written
             message, fds = _recv(self.sock)
-            if message["kind"] == "images" and message["id"] == self.job_id:
-                self.images.update(message["images"])
+            if isinstance(message, Images) and message.id == self.job_id:
+                self.images.update(message.images)
             else:
                 self.backlog.append((message, fds))
         offset, size = self.images.pop(filename)
@@ -343,18 +370,14 @@ class _StagedImages:
 
     def written(self, filename: str) -> None:
         if self.chunked:
-            _send(self.sock, {"kind": "shard_written", "id": self.job_id, "filename": filename})
+            _send(self.sock, ShardWritten(id=self.job_id, filename=filename))
 
 
 def _serve(sock: socket.socket) -> None:
-    from lightning_ckpt import remote, savejob
-    from lightning_ckpt.savejob import SaveJob
-    from lightning_ckpt.shards import ShardWriter
-
     writer: ShardWriter | None = None
-    options = remote.RemoteOptions()
+    options: RemoteOptions | None = None  # the config's
     pool: mmap.mmap | None = None
-    backlog: deque[tuple[dict[str, Any], list[int]]] = deque()
+    backlog: deque[tuple[Request, list[int]]] = deque()
     failed: set[int] = set()  # save jobs that failed: removals waiting on them are skipped
     while True:
         try:
@@ -366,46 +389,40 @@ def _serve(sock: socket.socket) -> None:
                 pool.close()
             pool = mmap.mmap(fds[0], 0)
             os.close(fds[0])
-        kind = message["kind"]
-        if kind == "config":
-            writer = ShardWriter(message["chunk_bytes"], message["direct_io"], message.get("max_write_rate"))
-            options = message.get("remote") or options
+        if isinstance(message, WriterConfig):
+            writer = ShardWriter(message.chunk_bytes, message.direct_io, message.max_write_rate)
+            options = message.remote
             continue
-        if kind == "stop":
+        if isinstance(message, Stop):
             return
-        if kind == "images":
+        if isinstance(message, Images):
             continue  # for a save that already failed
-        reply: dict[str, Any] = {"id": message["id"], "path": message["path"], "status": "ok"}
+        reply = Reply(id=message.id, path=message.path, status="ok")
         try:
-            if kind == "save":
+            if isinstance(message, SaveRequest):
                 assert writer is not None and pool is not None
                 started = time.perf_counter()
-                job: SaveJob = message["job"]  # committed locally first, then published (a URL)
-                result = job.run(writer, images=_StagedImages(sock, pool, message, backlog))
-                reply["result"] = {
-                    "nbytes": result.nbytes,
-                    "write_seconds": time.perf_counter() - started,
-                    "files": result.files,
-                    "direct_io": result.direct_io,
-                    "durable_at": time.time(),
-                    "reused_bytes": result.reused_bytes,
-                    "stored": result.stored,
-                }
-            elif kind == "remove":
-                if message.get("after") in failed:
-                    reply["status"] = "kept"  # the checkpoint meant to replace it was not committed
+                # Committed locally first, then published (a URL).
+                result = message.job.run(writer, images=_StagedImages(sock, pool, message, backlog))
+                written = Written(result=result, write_seconds=time.perf_counter() - started, durable_at=time.time())
+                reply = replace(reply, written=written)
+            elif isinstance(message, RemoveRequest):
+                if message.after in failed:
+                    reply = replace(reply, status="kept")  # the checkpoint meant to replace it was not committed
                 else:
-                    savejob.remove(message["path"], options)
+                    assert options is not None
+                    remove(message.path, options)
             else:
-                raise ValueError(f"unknown job {kind!r}")
+                raise ValueError(f"unknown request {message!r}")
         except EOFError:
             return  # the training process died mid-save; the temporary directory is gone already
         except Exception as err:  # reported to the training process, raised there once
             # A ``CheckpointWriteError`` says what happened and what was kept already: sent as it is.
             explained = isinstance(err, CheckpointWriteError)
-            reply.update(status="error", error=str(err) if explained else f"{type(err).__name__}: {err}", explained=explained)
-            if kind == "save":
-                failed.add(message["id"])
+            error = str(err) if explained else f"{type(err).__name__}: {err}"
+            reply = replace(reply, status="error", error=error, explained=explained)
+            if isinstance(message, SaveRequest):
+                failed.add(message.id)
         _send(sock, reply)
 
 

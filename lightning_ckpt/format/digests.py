@@ -12,9 +12,9 @@ import os
 import queue
 import threading
 
-from lightning_ckpt import manifest as fmt
 from lightning_ckpt._fs import drop_page_cache
 from lightning_ckpt.errors import CorruptCheckpointError
+from lightning_ckpt.format import manifest as fmt
 
 CHUNK = 16 * 2**20  # bytes hashed (and read) at a time
 _READ_AHEAD = 4  # chunks the kernel is asked to read ahead of the hash of a mapped file

@@ -25,31 +25,48 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_ckpt import parts, remote, savejob
+from lightning_ckpt import remote
+from lightning_ckpt.compile import normalize_key
 from lightning_ckpt.errors import (
-    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     skipped_damaged_message,
 )
-from lightning_ckpt.functional import (  # re-exported: ``lightning_ckpt.io.X`` keeps working
+from lightning_ckpt.format.plan import Stable, parse_size
+from lightning_ckpt.functional import (  # re-exported: ``lightning_ckpt.io.X`` (the old path) keeps working
     DEFAULT_MAX_SHARD_SIZE,
     load_checkpoint,
-    load_from_checkpoint,
     load_remote,
     location,
     remove_checkpoint,
     save_checkpoint,
     verify_checkpoint,
 )
-from lightning_ckpt.compile import normalize_key
-from lightning_ckpt.incremental import Tracker, frozen_keys, stable_predicate, track_optimizer_steps
-from lightning_ckpt.plan import Stable, parse_size
-from lightning_ckpt.resume import last_good
-from lightning_ckpt.saver import AsyncSaver, Outcomes, SyncSaver, tracked_name
-from lightning_ckpt.savejob import Prepared
-from lightning_ckpt.shards import ShardWriter
-from lightning_ckpt.writer import WriteResult
+from lightning_ckpt.lightning.loading import load_from_checkpoint
+from lightning_ckpt.lightning.options import (
+    AsyncOptions,
+    SaveOptions,
+    one_of,
+    remote_options,
+)
+from lightning_ckpt.lightning.resume import last_good
+from lightning_ckpt.save import job as savejob
+from lightning_ckpt.save.background import AsyncSaver
+from lightning_ckpt.save.changes import (
+    Tracker,
+    frozen_keys,
+    stable_predicate,
+    track_optimizer_steps,
+    tracked_name,
+)
+from lightning_ckpt.save.job import Prepared
+from lightning_ckpt.save.outcomes import Outcomes
+from lightning_ckpt.save.protocol import WriterConfig
+from lightning_ckpt.save.ranks import plan_part
+from lightning_ckpt.save.sync import SyncSaver
+from lightning_ckpt.store import parts
+from lightning_ckpt.store.commit import WriteResult
+from lightning_ckpt.store.shards import ShardWriter
 
 __all__ = [
     "CheckpointIOFeatures",
@@ -62,7 +79,6 @@ __all__ = [
     "save_checkpoint",
     "verify_checkpoint",
 ]
-_VERIFY_MODES = ("structure", "full")
 
 
 @runtime_checkable
@@ -158,7 +174,7 @@ class ShardedCheckpointIO(CheckpointIO):
         incremental: a save reuses the shard files of the previous checkpoint this plugin
             committed into the same folder whose tensors provably did not change since (same
             storage, offset, shape, stride, dtype and version counter; see
-            ``lightning_ckpt.incremental``): hard-linked (or copied) into the new checkpoint, not
+            ``lightning_ckpt.save.changes``): hard-linked (or copied) into the new checkpoint, not
             staged, written or uploaded again. Every checkpoint stays complete on its own.
             Frozen weights are kept in shards of their own (``model-stable-*``) when the plugin
             knows them (``track_frozen``; ``ShardedModelCheckpoint`` tells it). On by default;
@@ -194,55 +210,44 @@ class ShardedCheckpointIO(CheckpointIO):
         incremental: bool = True,
     ) -> None:
         super().__init__()
-        if isinstance(local_keep, bool) or not isinstance(local_keep, int) or local_keep < 1:
-            raise ValueError(f"`local_keep={local_keep!r}` must be an int >= 1.")
-        if isinstance(upload_concurrency, bool) or not isinstance(upload_concurrency, int) or upload_concurrency < 1:
-            raise ValueError(f"`upload_concurrency={upload_concurrency!r}` must be an int >= 1.")
-        part_size = parse_size(upload_part_size, "upload_part_size")
-        if part_size < 5 * 2**20:
-            raise ValueError(f"`upload_part_size={upload_part_size!r}` is below 5 MiB, the smallest part S3 accepts.")
-        if local_dir is not None and remote.is_remote(local_dir):
-            raise ValueError(f"`local_dir={local_dir!r}` must be a local folder (it is the fast tier in front of the remote).")
-        codecs = {"*": compression} if isinstance(compression, str) else dict(compression or {})
-        for component, encoding in codecs.items():
-            if encoding not in remote.ENCODINGS:
-                raise ValueError(f"`compression={compression!r}`: {encoding!r} for {component!r} is not one of {sorted(remote.ENCODINGS)}.")
-        if codecs:
-            remote.zstd_module()  # a missing zstandard is reported now, not at the first upload
-        if isinstance(compression_level, bool) or not isinstance(compression_level, int) or not 1 <= compression_level <= 22:
-            raise ValueError(f"`compression_level={compression_level!r}` must be an int from 1 to 22.")
-        self.remote = remote.RemoteOptions(
-            dict(storage_options or {}),
-            part_size,
-            upload_concurrency,
-            None if local_dir is None else os.path.abspath(os.fspath(local_dir)),
-            local_keep,
-            codecs,
-            compression_level,
+        self.options = SaveOptions(
+            max_shard_size=parse_size(max_shard_size, "max_shard_size"),
+            verify_on_load=verify_on_load,
+            direct_io=direct_io,
+            buffer_bytes=parse_size(buffer_size, "buffer_size"),
+            on_error=on_error,
+            part_timeout=float(part_timeout),
+            spread_writes=spread_writes,
+            incremental=incremental,
         )
-        self.max_shard_size = parse_size(max_shard_size, "max_shard_size")
-        if verify_on_load not in _VERIFY_MODES:
-            raise ValueError(f"`verify_on_load={verify_on_load!r}` must be one of {_VERIFY_MODES}.")
-        for name, value, allowed in (
-            ("direct_io", direct_io, (None, True, False)),
-            ("async_save", async_save, (True, False)),
-            ("when_busy", when_busy, ("wait", "skip")),
-            ("on_error", on_error, ("raise", "warn")),
-            ("overlap_copies", overlap_copies, (True, False)),
-            ("incremental", incremental, (True, False)),
-        ):
-            if value not in allowed:
-                raise ValueError(f"`{name}={value!r}` must be one of {allowed}.")
-        self.verify_on_load = verify_on_load
+        one_of("async_save", async_save, (True, False))
+        async_options = AsyncOptions(
+            when_busy=when_busy,
+            pool_cap=None if staging_pool_size is None else parse_size(staging_pool_size, "staging_pool_size"),
+            max_write_rate=None if max_write_rate is None else parse_size(max_write_rate, "max_write_rate"),
+            overlap_copies=overlap_copies,
+        )
+        self.async_options = async_options if async_save else None  # the async machinery is built only then
+        self.remote = remote_options(
+            storage_options=storage_options,
+            local_dir=local_dir,
+            local_keep=local_keep,
+            upload_part_size=upload_part_size,
+            upload_concurrency=upload_concurrency,
+            compression=compression,
+            compression_level=compression_level,
+        )
+        # The flat attributes callers read (the callback, strategies, LightningCLI's round trip).
+        self.max_shard_size = self.options.max_shard_size
+        self.verify_on_load = self.options.verify_on_load
         self.async_save = async_save
-        self.when_busy = when_busy
-        self.on_error = on_error
-        self.overlap_copies = overlap_copies
-        self.incremental = incremental
+        self.when_busy = async_options.when_busy
+        self.on_error = self.options.on_error
+        self.overlap_copies = async_options.overlap_copies
+        self.incremental = self.options.incremental
+        self.part_timeout = self.options.part_timeout
+        self.spread_writes = self.options.spread_writes
         self._frozen_source: Optional[Callable[[], Optional[frozenset[str]]]] = None  # see ``track_frozen``
-        pool_cap = None if staging_pool_size is None else parse_size(staging_pool_size, "staging_pool_size")
-        rate = None if max_write_rate is None else parse_size(max_write_rate, "max_write_rate")
-        self._config = {"pool_cap": pool_cap, "chunk_bytes": parse_size(buffer_size, "buffer_size"), "direct_io": direct_io, "max_write_rate": rate}
         self._lock = threading.RLock()
         self._build_savers()
         # Remote checkpoints this process loaded (resumed from), never removed by it (url_key).
@@ -252,38 +257,27 @@ class ShardedCheckpointIO(CheckpointIO):
         self._last: tuple[frozenset[str], int] | None = None
         self.loaded_instead: tuple[str, str] | None = None  # (asked, loaded) by the last load, when they differ
         self.last_stall_seconds: float | None = None  # how long the last save call blocked the caller
-        self.part_timeout = float(part_timeout)
-        if spread_writes not in (None, True, False):
-            raise ValueError(f"`spread_writes={spread_writes!r}` must be one of (None, True, False).")
-        self.spread_writes = spread_writes
         self._part_token: str | None = None  # names multi-rank saves' shared folders; agreed once per run
         self._part_number = 0
 
     def _build_savers(self) -> None:
-        config = self._config
+        options = self.options
         self._outcomes = Outcomes(self.on_error)
-        self._writer = ShardWriter(config["chunk_bytes"], config["direct_io"])
+        self._writer = ShardWriter(options.buffer_bytes, options.direct_io)
         # One tracker per plugin and process: a new one (a new run, a resumed one) reuses nothing.
         self._tracker = Tracker() if self.incremental else None
         if self.incremental:
             track_optimizer_steps()
         self._sync = SyncSaver(self._writer, self.remote, self._outcomes, self._tracker)
-        worker_config = {
-            "chunk_bytes": self._writer.chunk_bytes,
-            "direct_io": config["direct_io"],
-            "max_write_rate": config["max_write_rate"],
-            "remote": self.remote,
-        }
-        self._async = AsyncSaver(
-            self.remote,
-            config["pool_cap"],
-            worker_config,
-            self.when_busy,
-            self._lock,
-            self._outcomes,
-            self.async_save,
-            self._tracker,
-        )
+        self._async: AsyncSaver | None = None
+        if self.async_options is not None:
+            writer = WriterConfig(
+                chunk_bytes=self._writer.chunk_bytes,
+                direct_io=options.direct_io,
+                max_write_rate=self.async_options.max_write_rate,
+                remote=self.remote,
+            )
+            self._async = AsyncSaver(self.async_options, writer, self._outcomes, self._tracker, self._lock)
 
     @property
     def sync_saver(self) -> SyncSaver:
@@ -292,16 +286,17 @@ class ShardedCheckpointIO(CheckpointIO):
         return self._sync
 
     @property
-    def async_saver(self) -> AsyncSaver:
+    def async_saver(self) -> AsyncSaver | None:
         """The saver of asynchronous saves (its ``pool``: the staging pool; ``worker``: the writer
-        process; ``pending``: a save whose device copies are still landing). For inspection by
-        tests, benchmarks and tools; the plugin's own methods are the API."""
+        process; ``pending``: a save whose device copies are still landing); ``None`` without
+        ``async_save=True``. For inspection by tests, benchmarks and tools; the plugin's own
+        methods are the API."""
         return self._async
 
     @property
     def skipped_saves(self) -> int:
         """Async saves skipped because the previous one was still being written (``when_busy="skip"``)."""
-        return self._async.skipped_saves
+        return 0 if self._async is None else self._async.skipped_saves
 
     @property
     def last_save(self) -> Optional[WriteResult]:
@@ -363,7 +358,6 @@ class ShardedCheckpointIO(CheckpointIO):
         every rank stages into its own pool and its own writer process writes; a save still in
         flight is waited for (``when_busy="skip"`` cannot skip one rank's part alone).
         """
-        from lightning_ckpt.distributed import plan_part
 
         path = location(path)
         if remote.is_remote(path) and self.remote.local_dir is None:
@@ -396,7 +390,7 @@ class ShardedCheckpointIO(CheckpointIO):
         with self._lock:
             start = time.perf_counter()
             self._sync.raise_errors()
-            if not self.async_save:
+            if self._async is None:
                 self._sync.save(path, prepare(), start)
                 self.last_stall_seconds = time.perf_counter() - start
                 return
@@ -412,6 +406,9 @@ class ShardedCheckpointIO(CheckpointIO):
         promises that nothing else changes those tensors in place until then (``ShardedModelCheckpoint``
         uses it for saves between two training steps). Outside it, or with ``overlap_copies=False``,
         the training stream waits for every copy at once (the host never does)."""
+        if self._async is None:
+            yield
+            return
         previous, self._async.overlap = self._async.overlap, self.overlap_copies
         try:
             yield
@@ -423,14 +420,14 @@ class ShardedCheckpointIO(CheckpointIO):
         about ``nbytes`` now and fault it in (and page-lock it, ``on_device``) in the background,
         so the first save neither waits for that nor stalls on it. A later, larger state still
         grows the pool at its save."""
-        if self.async_save:
+        if self._async is not None:
             self._async.prepare_staging(nbytes, on_device)
 
     def copy_wait_seconds(self, path: Any) -> float | None:
         """How long the training stream idled (GPU time) for the device copies of the latest async
         save to ``path``: a cost of that save beyond its call. ``None`` until known; 0 for a save
         that queued no device copy of its own."""
-        return self._async.copy_wait_seconds(location(path))
+        return 0.0 if self._async is None else self._async.copy_wait_seconds(location(path))
 
     @override
     def load_checkpoint(
@@ -441,7 +438,7 @@ class ShardedCheckpointIO(CheckpointIO):
         Waits for saves still being written, so a checkpoint is never read before it is committed.
         ``ckpt_path="last"`` loads the newest intact checkpoint of the folder (see ``resume_last``).
         """
-        if self.async_save:
+        if self._async is not None:
             with self._lock:
                 self._async.drain(block=True)
                 self._async.worker.wait()
@@ -516,11 +513,14 @@ class ShardedCheckpointIO(CheckpointIO):
         with self._lock:
             if self._tracker is not None:
                 self._tracker.forget(tracked_name(path, self.remote))
-            self._async.then(lambda: self._remove(path))  # after the save replacing it is handed off
+            if self._async is None:
+                self._remove(path)
+            else:
+                self._async.then(lambda: self._remove(path))  # after the save replacing it is handed off
 
     def _remove(self, path: str) -> None:
         with self._lock:
-            if not self.async_save:
+            if self._async is None:
                 self._sync.remove(path)
             elif not self._async.remove(path):  # neither kept nor queued behind a save in flight
                 savejob.remove(path, self.remote)
@@ -528,7 +528,8 @@ class ShardedCheckpointIO(CheckpointIO):
     def wait(self) -> None:
         """Block until every save in flight is durable; raise (once) what failed in the background."""
         with self._lock:
-            self._async.wait()
+            if self._async is not None:
+                self._async.wait()
             self._sync.wait()
 
     @override
@@ -536,18 +537,21 @@ class ShardedCheckpointIO(CheckpointIO):
         """Wait for saves in flight, stop the writer process and free the buffers."""
         with self._lock:
             try:
-                self._async.stop()
+                if self._async is not None:
+                    self._async.stop()
                 self._sync.wait()
             finally:
-                self._async.staged = None
-                self._async.release_pool()
+                if self._async is not None:
+                    self._async.staged = None
+                    self._async.release_pool()
                 self._writer.close()
 
     def poll(self) -> list[WriteResult]:
         """Async saves that became durable since the last ``poll`` (never blocks, raises nothing:
         errors surface at the defined points). Synchronous saves are durable when they return."""
         with self._lock:
-            self._async.worker.poll()
+            if self._async is not None:
+                self._async.worker.poll()
             return self._outcomes.take()
 
     def __getstate__(self) -> dict[str, Any]:

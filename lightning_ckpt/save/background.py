@@ -1,172 +1,68 @@
-"""The savers behind ``ShardedCheckpointIO``, and the one place their background errors surface.
-
-* ``Outcomes``: results of saves that became durable (for ``poll``/``last_save``) and the errors
-  of background work (writer process, uploads, the hand-off thread), each raised or warned
-  (``on_error``) once, at a defined point: the next save, ``wait()``, ``teardown()``.
-* ``SyncSaver``: runs a ``savejob.SaveJob`` in the caller; a local-tier upload goes to its
-  ``remote.tier.Uploader`` thread.
-* ``AsyncSaver``: stages the state into a reused ``staging.StagingPool``, hands the job to the
-  writer process (``worker.WriterProcess``) once device copies have landed (a hand-off thread, or
-  the optimizer pre-step hook here), reuses staged bytes for a second save of the same tensors
-  (fingerprint), skips or waits while busy, queues removals behind the save replacing them, and
-  finishes saves in flight at interpreter exit.
+"""Asynchronous saves: ``AsyncSaver`` stages the state into a reused ``staging.StagingPool``,
+hands the job to the writer process (``worker.WriterProcess``) once the device copies have landed
+(the hand-off thread, or the optimizer pre-step hook in ``hooks``), reuses staged bytes for a second
+save of the same tensors (fingerprint), skips or waits while busy (``AsyncOptions.when_busy``),
+queues removals behind the save replacing them, and finishes saves in flight at interpreter exit.
 
 Threads: the caller's (training) thread runs everything but the hand-off thread
-(``drain_when_landed``) and the upload thread; both take the plugin's lock. Imports ``savejob``,
-``staging``, ``worker``, ``remote``; never Lightning or ``io``.
+(``drain_when_landed``); it takes the plugin's lock. Errors go to ``outcomes.Outcomes``.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import os
 import threading
 import time
 import warnings
-import weakref
-from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from lightning_ckpt import remote, savejob, staging
 from lightning_ckpt.errors import CheckpointWriteError
-from lightning_ckpt.incremental import Reused, Snapshot, Tracker
-from lightning_ckpt.plan import OPTIMIZER_COMPONENT, Blob, Plan
-from lightning_ckpt.savejob import Destination, Prepared
-from lightning_ckpt.shards import ShardWriter
-from lightning_ckpt.staging import StagingPool
-from lightning_ckpt.worker import WriterProcess
-from lightning_ckpt.writer import WriteResult
+from lightning_ckpt.format.plan import Plan
+from lightning_ckpt.save import hooks, staging
+from lightning_ckpt.save import job as savejob
+from lightning_ckpt.save.changes import Ticket, Tracker, begin_incremental
+from lightning_ckpt.save.job import Destination, Prepared
+from lightning_ckpt.save.outcomes import Outcomes
+from lightning_ckpt.save.protocol import WriterConfig
+from lightning_ckpt.save.staging import StagingPool
+from lightning_ckpt.save.worker import WriterProcess
+from lightning_ckpt.store.reuse import Reused
 
 
-class Outcomes:
-    """Durable saves not yet polled, the latest one, and the policy for background errors."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AsyncOptions:
+    """Async saves (``async_save=True``): what a save does while the previous one is still being
+    written, the staging pool's cap, the writer process's write rate cap (bytes per second), and
+    whether device copies may overlap the next forward and backward."""
 
-    def __init__(self, on_error: Literal["raise", "warn"]) -> None:
-        self.on_error = on_error
-        self.unpolled: deque[WriteResult] = deque(maxlen=1024)
-        self.last_save: WriteResult | None = None
-        self.collectors: list[Callable[[], None]] = []  # each moves finished results in here
+    when_busy: Literal["wait", "skip"] = "wait"
+    pool_cap: int | None = None
+    max_write_rate: int | None = None
+    overlap_copies: bool = True
 
-    def collect(self) -> None:
-        for collect in self.collectors:
-            collect()
-
-    def report(self, errors: Sequence[CheckpointWriteError]) -> None:
-        """Collect finished results, then raise ``errors`` (several: one error naming them all)
-        or, with ``on_error="warn"``, warn about each."""
-        self.collect()
-        if not errors:
-            return
-        if self.on_error == "warn":
-            for error in errors:
-                warnings.warn(str(error), stacklevel=4)
-            return
-        if len(errors) > 1:
-            raise CheckpointWriteError("; ".join(str(e) for e in errors), errors[-1].path) from errors[0]
-        raise errors[0]
-
-    def report_any(self, errors: Sequence[BaseException]) -> None:
-        """As ``report``; an error that is not a ``CheckpointWriteError`` (a bug, an interrupt in a
-        background thread) is raised whatever ``on_error`` says."""
-        for error in errors:
-            if not isinstance(error, CheckpointWriteError):
-                raise error
-        self.report(errors)  # type: ignore[arg-type]
-
-    def take(self) -> list[WriteResult]:
-        self.collect()
-        done = list(self.unpolled)
-        self.unpolled.clear()
-        return done
-
-
-class SyncSaver:
-    """Saves in the caller: returns once committed (a URL: published, or committed in the local
-    tier and handed to the upload thread)."""
-
-    def __init__(
-        self, writer: ShardWriter, options: remote.RemoteOptions, outcomes: Outcomes, tracker: Tracker | None = None
-    ) -> None:
-        self.writer, self.options, self.outcomes = writer, options, outcomes
-        self.tracker = tracker  # incremental saves (``None``: every save writes every file)
-        self.uploader = remote.Uploader()
-        outcomes.collectors.append(self.collect)
-        _sync_savers.add(self)
-
-    def save(self, path: str, prepared: Prepared, start: float) -> WriteResult:
-        """Write, commit and publish ``prepared`` at ``path`` (``start``: ``perf_counter`` at the call)."""
-        reuse, ticket = begin_incremental(self.tracker, prepared, path, self.options)
-        destination = Destination.resolve(path, self.options)
-        job = prepared.job(destination, reuse=reuse)
-        try:
-            result = job.run(self.writer, upload=self.uploader.publish)
-        except CheckpointWriteError:
-            if self.tracker is None:
-                raise
-            self.tracker.clear()
-            if not any(r.id is None for r in reuse.values()):
-                raise
-            # A file left on the server could not be copied from the earlier checkpoint (removed
-            # behind this plugin's back): nothing was committed; save it whole, once.
-            job = prepared.job(Destination.resolve(path, self.options))
-            result = job.run(self.writer, upload=self.uploader.publish)
-        except BaseException:
-            if self.tracker is not None:
-                self.tracker.clear()
-            raise
-        if self.tracker is not None and ticket is not None:
-            self.tracker.committed(*ticket[:2], result.stored, *ticket[2:])
-        if job.publishes and job.destination.spool is not None:  # durable once published: the whole call
-            result = dataclasses.replace(result, path=path, seconds=time.perf_counter() - start)
-        self.outcomes.last_save = result
-        return result
-
-    def remove(self, path: str) -> None:
-        """Remove ``path``; a URL with a local tier behind the uploads in flight."""
-        if remote.is_remote(path) and self.options.local_dir is not None:
-            self.uploader.remove(path, lambda: savejob.remove(path, self.options))
-        else:
-            savejob.remove(path, self.options)
-
-    def collect(self) -> None:
-        published, self.uploader.results = self.uploader.results, []
-        for done in published:  # local tier: uploaded in the background
-            self.outcomes.unpolled.append(WriteResult(done.url, done.nbytes, done.seconds, done.files, False, done.copied_bytes))
-
-    def raise_errors(self) -> None:
-        """What a background upload raised, per ``on_error``."""
-        self.outcomes.report_any(self.uploader.take_errors())
-
-    def wait(self) -> None:
-        self.uploader.wait()
-        self.raise_errors()
+    def __post_init__(self) -> None:
+        if self.when_busy not in ("wait", "skip"):
+            raise ValueError(f"`when_busy={self.when_busy!r}` must be one of ('wait', 'skip').")
+        if self.overlap_copies is not True and self.overlap_copies is not False:
+            raise ValueError(f"`overlap_copies={self.overlap_copies!r}` must be one of (True, False).")
 
 
 class AsyncSaver:
     """Async saves of one plugin (see the module docstring). Every method runs under ``lock``."""
 
     def __init__(
-        self,
-        options: remote.RemoteOptions,
-        pool_cap: int | None,
-        worker_config: dict[str, Any],
-        when_busy: Literal["wait", "skip"],
-        lock: threading.RLock,
-        outcomes: Outcomes,
-        track_optimizers: bool,
-        tracker: Tracker | None = None,
+        self, config: AsyncOptions, writer: WriterConfig, outcomes: Outcomes, tracker: Tracker | None, lock: threading.RLock
     ) -> None:
-        self.options, self.when_busy, self.lock, self.outcomes = options, when_busy, lock, outcomes
+        self.options, self.when_busy, self.lock, self.outcomes = writer.remote, config.when_busy, lock, outcomes
         self.tracker = tracker  # incremental saves (``None``: every save stages and writes every file)
         self.tickets: dict[int, Ticket] = {}  # writer job id -> its incremental ticket
-        self.pool = StagingPool(pool_cap)
-        self.worker = WriterProcess(worker_config)
+        self.pool = StagingPool(config.pool_cap)
+        self.worker = WriterProcess(writer)
         self.pending: Pending | None = None  # a save whose device copies are still landing
         self.action_errors: list[Exception] = []
         self.copy_waits: OrderedDict[str, staging.Copies] = OrderedDict()  # path -> its latest save's copies
@@ -175,11 +71,8 @@ class AsyncSaver:
         self.skipped_saves = 0
         self.overlap = False  # inside ``ShardedCheckpointIO.overlapping()`` with ``overlap_copies``
         outcomes.collectors.append(self.collect)
-        # Async mode: warmed up by the process's first optimizer steps (``warm_up``).
-        self.warmed = not track_optimizers
-        if track_optimizers:
-            _track_optimizers()
-        _async_savers.add(self)
+        self.warmed = False  # by the process's first optimizer steps (``warm_up``)
+        hooks.register_async(self)
 
     def save(self, path: str, prepare: Callable[[], Prepared], can_skip: bool, start: float) -> float | None:
         """Stage the save ``prepare()`` plans and hand it to the writer process (once its device
@@ -246,8 +139,7 @@ class AsyncSaver:
         pool = (self.pool.fd, self.pool.generation)
         destination = Destination.resolve(path, self.options)
         job = prepared.job(destination, with_data=False, reuse=reuse)
-        message = {"job": job, "images": images, **({"chunked": True} if chunked else {})}
-        job_id = self.worker.submit("save", path, message, pool=pool, submitted=started)
+        job_id = self.worker.submit_save(path, job, images, pool, submitted=started, chunked=chunked)
         if ticket is not None:
             self.tickets[job_id] = ticket
         return job_id
@@ -265,7 +157,7 @@ class AsyncSaver:
         if cap is not None and image_layout.nbytes > cap:
             self.stage_in_chunks(prepared, to_stage, path, image_layout, headers, cap, started, reuse, ticket)
             return
-        deferrable = _changed_by_optimizers_only() if self.overlap else lambda _: False
+        deferrable = hooks.changed_by_optimizers_only() if self.overlap else lambda _: False
         # Host state whose owner copies it itself (ChunkedAdamW's arena) is left to it: not copied here.
         copies = self.pool.stage(to_stage, image_layout, headers, deferrable, defer_host=True)
         self.staged = None if fingerprint is None else (fingerprint, image_layout.images)
@@ -292,14 +184,13 @@ class AsyncSaver:
             action()
 
     def hand_over(self) -> None:
-        """An optimizer is about to step (see ``_before_optimizer_step``): order the training
+        """An optimizer is about to step (see ``hooks.before_optimizer_step``): order the training
         stream after the pending copies, and hand the save over if they have landed."""
         with self.lock:
             pending = self.pending
             if pending is not None:
                 pending.copies.hand_over()
                 self.drain(block=False)
-
 
     def drain_when_landed(self, pending: Pending) -> None:
         if pending.copies.device is not None:
@@ -435,7 +326,6 @@ class AsyncSaver:
             self.worker.abort()
             raise
 
-
     def release_pool(self) -> None:
         """Free the staging pool. Unmapping and freeing gigabytes of shared memory takes a while
         (0.4 s at 3 GB): a host-only pool is unmapped on a thread, so ``teardown`` does not wait
@@ -461,7 +351,7 @@ class AsyncSaver:
                 warnings.warn(f"Kept {path!r}: the save that would have replaced it failed.", stacklevel=4)
                 return True
             if self.worker.busy:  # runs after that save, and only if it committed
-                self.worker.submit("remove", path, {"after": replacing})
+                self.worker.submit_remove(path, after=replacing)
                 return True
             return False
 
@@ -470,13 +360,8 @@ class AsyncSaver:
         for path in kept:
             warnings.warn(f"Kept {path!r}: the save that would have replaced it failed.", stacklevel=4)
         results, self.worker.results = self.worker.results, []
-        for r in results:
-            # seconds: from the save call until the checkpoint was committed and durable
-            result = WriteResult(
-                r["path"], r["nbytes"], r["durable_at"] - r["submitted"], r["files"], r["direct_io"],
-                r.get("reused_bytes", 0), r.get("stored", ()),
-            )
-            ticket = self.tickets.pop(r["id"], None)
+        for job_id, result in results:  # ``seconds``: from the save call until durable
+            ticket = self.tickets.pop(job_id, None)
             if ticket is not None and self.tracker is not None:
                 self.tracker.committed(*ticket[:2], result.stored, *ticket[2:])
             self.outcomes.last_save = result
@@ -497,6 +382,17 @@ class AsyncSaver:
             self.worker.stop()
             self.outcomes.report(self.take_errors())
 
+    def finish_at_exit(self) -> None:
+        """Interpreter exit: finish the save in flight (a checkpoint the user asked for is not
+        dropped), stop the writer process, warn about what failed."""
+        try:
+            self.drain(block=True)  # a save still waiting for its device copies
+            self.worker.stop()
+            for error in self.worker.take_errors():
+                warnings.warn(str(error), stacklevel=1)
+        except Exception:  # exiting anyway; the next run cleans any temporary directory
+            self.worker.kill()
+
 
 @dataclass
 class Pending:
@@ -506,119 +402,8 @@ class Pending:
     actions: list[Callable[[], None]]  # in order: the submission first, then removals and re-saves
 
 
-# Optimizers seen stepping in this process. Their parameters and state change only in their own
-# ``step()``, so the copies of those tensors may overlap the next forward and backward.
-_stepping: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-_async_savers: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()  # the step hook and exit handler walk these
-_sync_savers: weakref.WeakSet[SyncSaver] = weakref.WeakSet()
-_step_hook: Any = None
 _COPY_WAITS_KEPT = 64
 _STAGING_HEADROOM, _STAGING_SLACK = 1.05, 64 * 2**20  # prepare_staging's margin over the estimate
 
 
-def _track_optimizers() -> None:
-    """Register ``_before_optimizer_step`` once per process. It is never removed: torch iterates
-    the hooks' dict in ``step()``, so a hook removed from inside that loop (or by another thread
-    meanwhile) raises "OrderedDict mutated during iteration" there."""
-    global _step_hook
-    if _step_hook is None:
-        _step_hook = register_optimizer_step_pre_hook(_before_optimizer_step)
-
-
-def _before_optimizer_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Every optimizer's pre-step hook: note the optimizer as stepping, and, as the step changes
-    what pending device copies read, order the training stream after them here, or, for a step
-    given a closure (Lightning's automatic optimization runs forward and backward inside it), once
-    the closure has run."""
-    _stepping.add(optimizer)
-    savers = list(_async_savers)
-    for saver in savers:
-        if not saver.warmed:
-            saver.warm_up(optimizer)
-    waiting = [saver for saver in savers if saver.pending is not None]
-    if not waiting:
-        return None
-
-    def hand_over() -> None:
-        for saver in waiting:
-            saver.hand_over()
-
-    # ``args`` starts with the optimizer itself (``step`` is a method): the closure is next.
-    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-    if not callable(closure):
-        hand_over()
-        return None
-
-    def then_hand_over(*a: Any, **k: Any) -> Any:
-        result = closure(*a, **k)
-        hand_over()
-        return result
-
-    if "closure" in kwargs:
-        return args, {**kwargs, "closure": then_hand_over}
-    return (args[0], then_hand_over, *args[2:]), kwargs
-
-
-# An incremental save's ticket, for ``Tracker.committed``: its snapshot, the checkpoint it commits
-# (a local directory; a URL when committed in a spool), a multi-rank save's part folder, its URL.
-Ticket = tuple[Snapshot, str, "str | None", "str | None"]
-
-
-def begin_incremental(
-    tracker: Tracker | None, prepared: Prepared, path: str, options: remote.RemoteOptions
-) -> tuple[dict[str, Reused], Ticket | None]:
-    """The shard files a save to ``path`` may reuse (see ``incremental.Tracker``) and its ticket;
-    none for a plugin with ``incremental=False``. A remote save committed in a spool folder is
-    tracked by its URL (its reused files stay on the server)."""
-    if tracker is None:
-        return {}, None
-    url = path if remote.is_remote(path) else None
-    target = tracked_name(path, options)
-    reuse, snapshot = tracker.begin(prepared.plan, target)
-    return reuse, (snapshot, target, None if prepared.part is None else prepared.part.folder, url)
-
-
-def tracked_name(path: str, options: remote.RemoteOptions) -> str:
-    """The name the incremental tracker knows the checkpoint at ``path`` by: its URL when it is
-    committed in a spool folder (its files stay on the server), else its absolute commit folder."""
-    if remote.is_remote(path) and options.local_dir is None:
-        return path
-    return os.path.abspath(savejob.commit_dir_of(path, options))
-
-
-def _storage(tensor: torch.Tensor) -> int:
-    local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard on this rank
-    return local.untyped_storage().data_ptr()
-
-
-def _changed_by_optimizers_only() -> Callable[[Blob], bool]:
-    """Which blobs the forward and backward leave alone: optimizer state, and the parameters of
-    optimizers seen stepping. Anything else (buffers, frozen weights, callback state) is not."""
-    params = {_storage(p) for optimizer in list(_stepping) for group in optimizer.param_groups for p in group["params"]}
-
-    def deferrable(blob: Blob) -> bool:
-        assert blob.source is not None
-        return blob.component == OPTIMIZER_COMPONENT or blob.source.untyped_storage().data_ptr() in params
-
-    return deferrable
-
-
-@atexit.register
-def _finish_in_flight_saves() -> None:
-    """Saves still in flight when the interpreter exits are finished (a checkpoint the user asked
-    for is not dropped), then the writer process is stopped; what failed is warned about."""
-    for saver in list(_async_savers):
-        try:
-            saver.drain(block=True)  # a save still waiting for its device copies
-            saver.worker.stop()
-            for error in saver.worker.take_errors():
-                warnings.warn(str(error), stacklevel=1)
-        except Exception:  # exiting anyway; the next run cleans any temporary directory
-            saver.worker.kill()
-    for sync_saver in list(_sync_savers):
-        try:
-            sync_saver.uploader.wait()
-            for upload_error in sync_saver.uploader.take_errors():
-                warnings.warn(str(upload_error), stacklevel=1)
-        except Exception:
-            pass
+__all__ = ["AsyncOptions", "AsyncSaver", "Pending"]

@@ -28,12 +28,21 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    Strategy,
+)
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_ckpt import manifest as fmt
+from lightning_ckpt import remote
 from lightning_ckpt.errors import CheckpointError
+from lightning_ckpt.format import manifest as fmt
+from lightning_ckpt.format.dcp import load_sharded
+from lightning_ckpt.format.reader import read_manifest
+from lightning_ckpt.lightning.plugin import CheckpointIOFeatures, ShardedCheckpointIO
 from lightning_ckpt.offload.shares import own_shares
 from lightning_ckpt.remote import is_remote
 
@@ -121,7 +130,6 @@ def prepare_staging(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     """Let an async plugin fault in (and page-lock) its staging pool in the background now, long
     before the first save, sized for this rank's state. Skipped for spread DDP writes (each rank
     stages a part only the plan knows)."""
-    from lightning_ckpt.io import CheckpointIOFeatures
 
     io = trainer.strategy.checkpoint_io
     if not isinstance(io, CheckpointIOFeatures) or not io.async_save:
@@ -156,7 +164,6 @@ def _sharded_state(strategy: Strategy) -> Optional[bool]:
 
 
 def _our_io(strategy: Strategy) -> Any:
-    from lightning_ckpt.io import ShardedCheckpointIO
 
     io = strategy.checkpoint_io
     return io if isinstance(io, ShardedCheckpointIO) else None
@@ -260,7 +267,6 @@ def load_in_place(
     """``strategy.load_checkpoint``: ours loaded in place into the live (sharded) model and
     optimizers, resharding onto the current mesh; any other checkpoint through ``stock`` (the
     strategy's own ``load_checkpoint``). Every rank calls it, as Lightning calls ``load_checkpoint``."""
-    from lightning_ckpt.io import ShardedCheckpointIO
 
     io = strategy.checkpoint_io
     if isinstance(io, ShardedCheckpointIO) and is_remote(checkpoint_path):
@@ -283,7 +289,6 @@ def _local_copy(strategy: Strategy, io: Any, url: str) -> str:
     success, so a failed download raises on every rank instead of leaving the others
     waiting); every rank calls it, as Lightning calls ``load_checkpoint``.
     """
-    from lightning_ckpt import remote
 
     options = io.remote
     if options.local_dir is None:  # the same answer on every rank: nothing collective has started
@@ -325,7 +330,6 @@ def _load_ours(strategy: Strategy, checkpoint_path: _PATH, weights_only: Optiona
         set_optimizer_state_dict,
     )
 
-    from lightning_ckpt.distributed import load_sharded
 
     model, module = strategy.model, strategy.lightning_module
     assert model is not None and module is not None
@@ -364,7 +368,6 @@ def _optimizer_states_by_index(checkpoint_path: _PATH) -> bool:
     """Does the checkpoint key its optimizer states by parameter index? Lightning's full-state saves
     (``FSDPStrategy(state_dict_type="full")``, ``ModelParallelStrategy(save_distributed_checkpoint=False)``)
     do: rank 0 alone writes whole tensors, its optimizer state re-keyed to the parameters' positions."""
-    from lightning_ckpt.reader import read_manifest
 
     return any(
         len(record.path) > 3 and record.path[0] == "optimizer_states" and record.path[2] == "state" and type(record.path[3]) is int

@@ -1,7 +1,8 @@
 """Host memory that devices copy from: shared-memory buffers faulted in, and page-locked for CUDA,
 by a background thread (:class:`Preparer`), and what a buffer's owner must give back
-(:class:`Owned`). Used by the staging pool of async saves and by the offload package's host
-chunks. Nothing here imports Lightning.
+(:class:`Owned`); :class:`SharedBuffer`, such a buffer; and :class:`DeferredSource`, host memory
+that copies itself into a staging buffer. Used by the staging pool of async saves (``save``) and
+by the host chunks of the memory engines (``offload``), which import nothing of each other.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import mmap
 import os
 import tempfile
 import threading
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 import torch
 
@@ -195,3 +198,144 @@ class Owned:
             threading.Thread(target=held.clear, name="lightning_ckpt-free-pool", daemon=True).start()
         else:
             held.clear()
+
+
+ALIGN = 4096
+
+
+def aligned(n: int, align: int = ALIGN) -> int:
+    """``n`` rounded up to ``align`` (default ALIGN: the pool bytes a file image of ``n`` bytes occupies)."""
+    return -(-n // align) * align
+
+
+class SharedBuffer:
+    """A reusable shared-memory buffer (``memfd``), faulted in, and page-locked on CUDA, by a
+    background thread (``Preparer``); grown when asked for more, never shrunk. The checkpoint
+    staging pool (``save.staging.StagingPool``) and ``ChunkedAdamW``'s / ``ChunkedOffloadStrategy``'s
+    host chunks are such buffers.
+
+    Args:
+        max_bytes: refuse to grow beyond this (``None``: no cap).
+    """
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.generation = 0  # bumped whenever a new buffer replaces the old one
+        self._owned = Owned()
+        # Not at exit: a save in flight may still use the buffer then, and the process frees it all.
+        weakref.finalize(self, self._owned.release).atexit = False
+
+    def reserve(self, nbytes: int, pin: bool = False, pieces: Sequence[int] | None = None) -> None:
+        """Make the pool at least ``nbytes`` large (a new buffer only when it must grow) and start
+        faulting it in, and page-locking it if ``pin`` (and CUDA is there), in the background;
+        ``pieces``: the end offsets of its registrations (see :func:`lightning_ckpt.hostmem.pin_pieces`),
+        for an owner whose copies must not span two (default: every ``PIN_CHUNK``, which ``stage``
+        splits at)."""
+        pin = pin and torch.cuda.is_available()
+        if nbytes > self.nbytes or self._owned.mapping is None:
+            if self.max_bytes is not None and nbytes > self.max_bytes:
+                raise ValueError(
+                    f"this checkpoint needs {nbytes} bytes of staging memory, above `staging_pool_size`"
+                    f" ({self.max_bytes}). Raise `staging_pool_size` or save with `async_save=False`."
+                )
+            self.close()
+            self._owned.fd = new_shared_fd(nbytes)
+            self._owned.mapping = mmap.mmap(self._owned.fd, nbytes)
+            self._owned.view = torch.frombuffer(self._owned.mapping, dtype=torch.uint8)
+            self.nbytes = nbytes
+            self.generation += 1
+        if self.preparer is None or (pin and not self.preparer.pin):
+            if self.preparer is not None:  # faulted in for host copies before: page-lock it now
+                self.preparer.close()
+            assert self.view is not None and self._owned.mapping is not None
+            address = ctypes.addressof(ctypes.c_char.from_buffer(self._owned.mapping))
+            self._owned.preparer = Preparer(self.view, address, self.nbytes, pin, pieces)
+
+    @property
+    def fd(self) -> int | None:
+        """The shared memory's descriptor (the writer process maps the pool through it)."""
+        return self._owned.fd
+
+    @property
+    def preparer(self) -> Preparer | None:
+        """The background thread faulting the buffer in (and page-locking it); ``None`` before ``reserve``."""
+        return self._owned.preparer
+
+    @property
+    def view(self) -> torch.Tensor | None:
+        """The whole buffer as bytes (``None`` before ``reserve``)."""
+        return self._owned.view
+
+    @property
+    def buffer(self) -> mmap.mmap:
+        assert self._owned.mapping is not None, "reserve() first"
+        return self._owned.mapping
+
+    @property
+    def pins(self) -> bool:
+        """Is the pool page-locked, or being page-locked in the background?"""
+        return self.preparer is not None and self.preparer.pin
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes page-locked so far (0 without CUDA or before the first device save)."""
+        p = self.preparer
+        return 0 if p is None else p.registered
+
+    def wait_writable(self, end: int) -> None:
+        """Wait until ``[0, end)`` is faulted in: the background thread must be past a chunk before
+        anything is written to it (its fallback zero-fills)."""
+        assert self.preparer is not None
+        self.preparer.wait_for(min(end, self.nbytes))
+
+    def close(self, unmap_in_background: bool = False) -> None:
+        """Release the buffer (the writer process drops its own mapping when told of a new one);
+        ``unmap_in_background``: unmapping it (0.4 s at 3 GB) on a thread of its own. The map is
+        dropped, never ``close()``d: tensors made with ``torch.frombuffer`` hold a reference to it
+        but no buffer export, so closing it would unmap memory they still view (a state dict kept
+        after its optimizer is gone). The last reference unmaps it."""
+        self._owned.release(unmap_in_background)
+        self.nbytes = 0
+
+
+class DeferredSource(Protocol):
+    """Host memory that copies itself into the pool (see the module docstring).
+
+    ``claim`` runs on the staging caller's thread; ``flush`` on whichever thread waits for the
+    save's copies (the hand-off thread, or the caller blocking); the owner's own writer thread
+    copies a claimed region just before it changes it. Invariant: a claimed region's bytes reach
+    ``destination`` as they were at ``claim``, before the owner writes that region again.
+    """
+
+    def claim(self, source: torch.Tensor, destination: torch.Tensor) -> bool:
+        """Copy ``source`` (contiguous host tensor) into ``destination`` later; ``False``: not
+        this source's memory, copy it now."""
+        ...
+
+    def settled(self) -> bool:
+        """Every claimed copy has been made."""
+        ...
+
+    def flush(self) -> None:
+        """Make every claimed copy not made yet, now, in the calling thread."""
+        ...
+
+
+_deferred_sources: weakref.WeakSet[DeferredSource] = weakref.WeakSet()  # type: ignore[type-var]
+
+
+def register_deferred_source(source: DeferredSource) -> None:
+    """Let async saves leave ``source``'s memory to ``source`` (held weakly)."""
+    _deferred_sources.add(source)
+
+
+def claim_deferred(blob_source: torch.Tensor, destination: torch.Tensor) -> DeferredSource | None:
+    """The registered source that takes the copy of ``blob_source`` into ``destination`` upon
+    itself, or ``None``: copy it now."""
+    if not blob_source.is_contiguous():
+        return None
+    for source in list(_deferred_sources):
+        if source.claim(blob_source, destination):
+            return source
+    return None

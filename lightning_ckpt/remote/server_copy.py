@@ -12,8 +12,7 @@ Which files: exactly those ``incremental.Tracker`` proves unchanged (``increment
 names the earlier checkpoint's URL and file). The copy is made only when that checkpoint's
 committed generation still lists the file with the same size and digest, stored with the same
 encoding; otherwise the file is uploaded from its local copy, and a save that has none (a spool
-save: the file was never written) fails with nothing committed. Imports ``remote`` and
-``manifest``.
+save: the file was never written) fails with nothing committed.
 """
 
 from __future__ import annotations
@@ -24,25 +23,27 @@ from dataclasses import dataclass, field
 
 from fsspec import AbstractFileSystem
 
-from lightning_ckpt import manifest as fmt
-from lightning_ckpt import remote
 from lightning_ckpt.errors import CheckpointError
-from lightning_ckpt.incremental import Reused
+from lightning_ckpt.format import manifest as fmt
+from lightning_ckpt.remote.commit import Committed, read_committed
+from lightning_ckpt.remote.transfer import RemoteOptions
+from lightning_ckpt.store.reuse import Reused
 
 
 @dataclass
 class ServerCopies:
-    """The files of one publication to copy from earlier checkpoints (see the module docstring)."""
+    """The files of one publication to copy from earlier checkpoints (see the module docstring); a
+    ``remote.commit.CopySource``."""
 
     sources: dict[str, tuple[str, str]]  # file -> (earlier checkpoint's URL, file name there)
     absent: frozenset[str]  # files with no local copy: copied, or the publication fails
-    options: remote.RemoteOptions
+    options: RemoteOptions
     copied: dict[str, int] = field(default_factory=dict)  # file -> object bytes copied
-    _committed: dict[str, remote.Committed | None] = field(default_factory=dict)
+    _committed: dict[str, Committed | None] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def of(cls, reuse: Mapping[str, Reused] | None, options: remote.RemoteOptions) -> ServerCopies | None:
+    def of(cls, reuse: Mapping[str, Reused] | None, options: RemoteOptions) -> ServerCopies | None:
         sources = {name: r.remote for name, r in (reuse or {}).items() if r.remote is not None}
         if not sources:
             return None
@@ -71,11 +72,11 @@ class ServerCopies:
             self.copied[name] = size
         return size
 
-    def _committed_of(self, url: str) -> remote.Committed | None:
+    def _committed_of(self, url: str) -> Committed | None:
         with self._lock:
             if url not in self._committed:
                 try:
-                    self._committed[url] = remote.read_committed(url, self.options)
+                    self._committed[url] = read_committed(url, self.options)
                 except (CheckpointError, OSError):
                     self._committed[url] = None
             return self._committed[url]
