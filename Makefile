@@ -26,7 +26,7 @@ test: $(STAMP)
 # does not serve by default), in a second environment, .venv-newest: the unit and integration
 # tiers on it (CI runs both). Here torch 2.14.1 itself comes as the CUDA build (~2.7 GB of wheels,
 # installed in ~1.2 min; it runs on CPU, the gpu tests skip). Measured on the 2-core CI machine:
-# `make test` ~10 min, this install 1.2 min, the unit tier 17 s and the integration tier ~2.8 min
+# `make test` ~12 min, this install 1.2 min, the unit tier 17 s and the integration tier ~2.8 min
 # on it. The distributed and bench tiers stay on the pinned torch only, and so do the integration
 # tests of process-level behaviour that no torch version changes (SIGKILL campaigns, two processes
 # sharing a folder, Ctrl-C), ~1.5 min: CI stays near 15 min.
