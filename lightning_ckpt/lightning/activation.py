@@ -25,6 +25,15 @@ tensor inputs or the module's buffers in place (the recompute would apply the up
 give wrong gradients or statistics) and raises :class:`ActivationCheckpointingError` naming the
 module; under ``torch.compile`` that check is skipped (it would add graph breaks).
 
+Layers with a key/value cache (Hugging Face's: a ``past_key_value(s)``, ``layer_past`` or
+``cache`` argument) extend it in forward, and the recompute would extend it again (a cache twice
+as long; with some layers wrong gradients or torch's "Recomputed values ... different metadata"
+error). In eager training such a call gets ``None`` for its cache, with one warning per layer
+class, as Hugging Face's own gradient checkpointing runs its layers. Any other recompute that
+differs from its forward still fails in torch; the callback's ``on_exception`` then names the
+layer recomputed last, the likely cause and the fix in that error's message
+(:func:`explain_recompute_mismatch`).
+
 Call order in a ``Trainer.fit`` (checked against Lightning 2.6's ``Trainer._run``)::
 
     callback.setup -> LightningModule.configure_model (user's fully_shard) -> strategy.setup
@@ -39,6 +48,9 @@ Every hook runs on every rank; nothing here communicates.
 """
 
 import functools
+import inspect
+import threading
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -48,6 +60,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.checkpoint import (
+    CheckpointError,
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
@@ -220,16 +233,74 @@ def _check_versions(installed: _Installed, before: list[tuple[str, torch.Tensor,
     )
 
 
+# Arguments through which Hugging Face style layers read and extend a key/value cache. Run
+# checkpointed, the recompute in backward extends the cache a second time: a cache twice as long,
+# and with some layers (GPT-2) wrong gradients. Hugging Face's own gradient checkpointing runs
+# its layers without a cache in training; so do these.
+CACHE_ARGUMENTS = ("past_key_value", "past_key_values", "layer_past", "cache")
+_warned_cache: set[str] = set()  # layer classes warned about, once each
+_recomputing = threading.local()  # ``path``, ``cls``: the layer recomputed last in this thread
+
+
+@functools.lru_cache(maxsize=256)
+def _cache_parameters(impl: Callable[..., Any], bound: bool) -> tuple[tuple[str, Optional[int]], ...]:
+    """``impl``'s cache arguments (``CACHE_ARGUMENTS``) and their positions in a call (``None``:
+    keyword only); the module itself is not counted where ``impl`` takes it first (``bound``)."""
+    try:
+        parameters = list(inspect.signature(impl).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C forward: nothing to find
+        return ()
+    if bound:
+        parameters = parameters[1:]
+    found = []
+    for position, parameter in enumerate(parameters):
+        if parameter.name in CACHE_ARGUMENTS:
+            positional = parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
+            found.append((parameter.name, position if positional else None))
+    return tuple(found)
+
+
+def _without_cache(installed: _Installed, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments with every key/value cache it passes replaced by ``None`` (see
+    ``CACHE_ARGUMENTS``); warns once per layer class when one was passed."""
+    parameters = _cache_parameters(installed.impl, installed.bound)
+    stripped = [name for name in CACHE_ARGUMENTS if kwargs.get(name) is not None]
+    if stripped:
+        kwargs = {k: (None if k in CACHE_ARGUMENTS else v) for k, v in kwargs.items()}
+    for name, position in parameters:
+        if position is not None and position < len(args) and args[position] is not None:
+            args = (*args[:position], None, *args[position + 1 :])
+            stripped.append(name)
+    if stripped:
+        cls = type(installed.module).__qualname__
+        if cls not in _warned_cache:
+            _warned_cache.add(cls)
+            warnings.warn(
+                f"Activation checkpointing runs `{cls}` layers without their key/value cache"
+                f" (`{stripped[0]}`) while training: the recompute in backward would extend the cache a second"
+                " time (and give some layers wrong gradients). Hugging Face's own gradient checkpointing does"
+                " the same. Pass `use_cache=False` to the model (or set `model.config.use_cache = False`) for"
+                " training to silence this.",
+                UserWarning,
+                stacklevel=3,
+            )
+    return args, kwargs
+
+
 def _checkpointed_forward(installed: _Installed, *args: Any, **kwargs: Any) -> Any:
     """The replacement ``forward``: the original one under non-reentrant checkpointing."""
     impl = functools.partial(installed.impl, installed.module) if installed.bound else installed.impl
     if not torch.is_grad_enabled():
         return impl(*args, **kwargs)
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # both would break the graph: under torch.compile, pass use_cache=False yourself
+        args, kwargs = _without_cache(installed, args, kwargs)
+        impl = _noting_recomputes(installed, impl)
     options = installed.options
     # Keyword arguments go in through a partial, so that a user's ``debug=`` or ``context_fn=``
     # never collides with checkpoint's own (non-reentrant checkpointing tracks tensors it closes over).
     fn = functools.partial(impl, **kwargs) if kwargs else impl
-    check = options.check_inplace and not torch.compiler.is_compiling()
+    check = options.check_inplace and not compiling
     before = _inplace_report(installed, args, kwargs) if check else None
     if options.selective is not None:
         out = checkpoint(
@@ -244,6 +315,37 @@ def _checkpointed_forward(installed: _Installed, *args: Any, **kwargs: Any) -> A
     if before is not None:
         _check_versions(installed, before)
     return out
+
+
+def _noting_recomputes(installed: _Installed, impl: Callable[..., Any]) -> Callable[..., Any]:
+    """``impl`` noting, when it runs inside backward (the recompute), which layer it recomputes:
+    a recompute that does not match the forward fails in torch after this returns, naming no
+    layer (see :func:`explain_recompute_mismatch`)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._current_graph_task_id() != -1:
+            _recomputing.path, _recomputing.cls = installed.path, type(installed.module).__qualname__
+        return impl(*args, **kwargs)
+
+    return run
+
+
+def explain_recompute_mismatch(exception: BaseException) -> None:
+    """Torch's bare "Recomputed values ... have different metadata" error, explained in place
+    (its type kept): the layer recomputed last, the likely cause, the fix."""
+    message = str(exception)
+    if not isinstance(exception, CheckpointError) or "different metadata" not in message or "lightning_ckpt" in message:
+        return
+    path, cls = getattr(_recomputing, "path", None), getattr(_recomputing, "cls", "the layer")
+    where = f"`{path}` ({cls})" if path is not None else "a checkpointed layer"
+    exception.args = (
+        f"lightning_ckpt activation checkpointing: recomputing {where} in backward did not give the tensors its"
+        " forward saved. Its forward depends on state it changes itself: most often a key/value cache it extends"
+        " (`use_cache=True`), else a counter, a growing buffer or Python state read in forward. HINT: pass"
+        f" `use_cache=False` for training, keep such state out of forward, or exclude {cls} from the policy."
+        f"\n\nTorch's error: {message}",
+        *exception.args[1:],
+    )
 
 
 def installed_checkpointing(module: torch.nn.Module) -> Optional[_Installed]:
@@ -449,6 +551,7 @@ class ActivationCheckpointing(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        explain_recompute_mismatch(exception)
         self._remove(pl_module)
 
     def _remove(self, pl_module: pl.LightningModule) -> None:
