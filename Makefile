@@ -30,6 +30,8 @@ test: $(STAMP)
 # on it. The distributed and bench tiers stay on the pinned torch only, and so do the integration
 # tests of process-level behaviour that no torch version changes (SIGKILL campaigns, two processes
 # sharing a folder, Ctrl-C), ~1.5 min: CI stays near 15 min.
+# This tier also installs the `hf` extra (transformers): the Hugging Face tests run here and skip
+# in `make test` (setup.cfg says why).
 # Another torch: `make test-newest NEWEST_TORCH=2.15.0`.
 NEWEST_TORCH ?= 2.14.1
 NEWEST_TESTS ?= tests/unit tests/integration
@@ -43,7 +45,7 @@ $(NEWEST_STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(NEWEST_VENV)
 	$(NEWEST_PY) -m pip install --quiet --upgrade pip
 	$(NEWEST_PY) -m pip install --quiet torch==$(NEWEST_TORCH)
-	$(NEWEST_PY) -m pip install --quiet -e ".[test]"
+	$(NEWEST_PY) -m pip install --quiet -e ".[test,hf]"
 	touch $(NEWEST_STAMP)
 
 test-newest: $(NEWEST_STAMP)
