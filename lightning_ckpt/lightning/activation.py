@@ -105,7 +105,7 @@ class _Installed:
     ``forward`` of its own, else the instance's previous ``forward`` (restored on removal).
     """
 
-    __slots__ = ("module", "impl", "bound", "options", "path")
+    __slots__ = ("module", "impl", "bound", "options", "path", "cache_parameters")
 
     def __init__(self, module: torch.nn.Module, impl: Callable[..., Any], bound: bool, options: _Options, path: str):
         self.module = module
@@ -113,6 +113,7 @@ class _Installed:
         self.bound = bound
         self.options = options
         self.path = path
+        self.cache_parameters = _cache_parameters(impl, bound)  # read on every checkpointed call
 
     def __reduce__(self) -> Any:  # slots: pickle / deepcopy through the constructor
         return (_Installed, (self.module, self.impl, self.bound, self.options, self.path))
@@ -242,7 +243,6 @@ _warned_cache: set[str] = set()  # layer classes warned about, once each
 _recomputing = threading.local()  # ``path``, ``cls``: the layer recomputed last in this thread
 
 
-@functools.lru_cache(maxsize=256)
 def _cache_parameters(impl: Callable[..., Any], bound: bool) -> tuple[tuple[str, Optional[int]], ...]:
     """``impl``'s cache arguments (``CACHE_ARGUMENTS``) and their positions in a call (``None``:
     keyword only); the module itself is not counted where ``impl`` takes it first (``bound``)."""
@@ -263,7 +263,7 @@ def _cache_parameters(impl: Callable[..., Any], bound: bool) -> tuple[tuple[str,
 def _without_cache(installed: _Installed, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The call's arguments with every key/value cache it passes replaced by ``None`` (see
     ``CACHE_ARGUMENTS``); warns once per layer class when one was passed."""
-    parameters = _cache_parameters(installed.impl, installed.bound)
+    parameters = installed.cache_parameters
     stripped = [name for name in CACHE_ARGUMENTS if kwargs.get(name) is not None]
     if stripped:
         kwargs = {k: (None if k in CACHE_ARGUMENTS else v) for k, v in kwargs.items()}
