@@ -45,6 +45,7 @@ from lightning_ckpt.format.reader import read_manifest
 from lightning_ckpt.lightning.plugin import CheckpointIOFeatures, ShardedCheckpointIO
 from lightning_ckpt.offload.shares import own_shares
 from lightning_ckpt.remote import is_remote
+from lightning_ckpt.save.staging import optimizer_state_tensors, staging_need
 
 
 def sharded_io(strategy: Strategy) -> Any:
@@ -141,9 +142,9 @@ def prepare_staging(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     # DTensors) and count tied weights once.
     tensors = [*pl_module.parameters(), *pl_module.buffers()]
     for optimizer in trainer.optimizers:
-        tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-    local = [getattr(t, "_local_tensor", t) for t in tensors]
-    io.prepare_staging(sum(t.nbytes for t in local), on_device=any(t.is_cuda for t in local))
+        tensors += optimizer_state_tensors(optimizer)
+    nbytes, on_device = staging_need(tensors)
+    io.prepare_staging(nbytes, on_device)
 
 
 def _full_state_io(strategy: Strategy) -> Any:

@@ -255,15 +255,15 @@ class AsyncSaver:
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if not optimizer.state or distributed:  # a first step: the state does not exist yet
             self.warmed = distributed
-            if not distributed or torch.distributed.get_rank() == 0:
+            # Started once: an optimizer without state (SGD) comes back here every step.
+            if self.worker.pid is None and (not distributed or torch.distributed.get_rank() == 0):
                 with self.lock:
                     self.worker.ensure_started()
             return
         self.warmed = True
-        tensors = [p for group in optimizer.param_groups for p in group["params"]]
-        tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-        local = [getattr(t, "_local_tensor", t) for t in tensors]  # a DTensor's shard on this rank
-        self.prepare_staging(sum(t.nbytes for t in local), on_device=any(t.is_cuda for t in local))
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        nbytes, on_device = staging.staging_need(params + staging.optimizer_state_tensors(optimizer))
+        self.prepare_staging(nbytes, on_device)
 
     def copy_wait_seconds(self, path: Any) -> float | None:
         """How long the training stream idled (GPU time) for the device copies of the latest async

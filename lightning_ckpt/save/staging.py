@@ -67,6 +67,18 @@ def layout(plan: Plan) -> tuple[ImageLayout, dict[str, tuple[bytes, dict[str, fm
     return ImageLayout(offset, images), headers
 
 
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors of ``optimizer``'s state (its moments, step counters)."""
+    return [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+
+
+def staging_need(tensors: list[torch.Tensor]) -> tuple[int, bool]:
+    """(bytes, whether any is on CUDA) of ``tensors`` as this rank stages them: a DTensor's local
+    shard only. What ``StagingPool.reserve`` is sized from ahead of the first save."""
+    local = [getattr(t, "_local_tensor", t) for t in tensors]
+    return sum(t.nbytes for t in local), any(t.is_cuda for t in local)
+
+
 def one_device(plan: Plan) -> torch.device | None:
     """The one CUDA device ``plan``'s tensors live on (``None``: host memory only). A pool has one
     side stream and one event per save: a copy from another device would run on that device's
