@@ -102,8 +102,9 @@ def fit_regressor(max_epochs: int, dirpath=None, every_n_train_steps: int = 2, c
 
 
 def fit_chunked(model: LightningModule, strategy=None, ckpt_path=None, trainer=None, **kwargs):
-    """``Trainer(**kwargs, strategy=strategy).fit(model)`` (or ``trainer.fit(model)``); then waits
-    for ``ChunkedAdamW``'s last step (it runs in the background), so the model's weights are final."""
+    """``Trainer(**kwargs, strategy=strategy).fit(model)`` (or ``trainer.fit(model)``). No wait for
+    ``ChunkedAdamW``'s last step (it runs in the background): Lightning's teardown reads the
+    optimizer's state, which waits for it, so the weights are final when ``fit`` returns."""
     from lightning.pytorch import Trainer
 
     if trainer is None:
@@ -111,7 +112,6 @@ def fit_chunked(model: LightningModule, strategy=None, ckpt_path=None, trainer=N
             kwargs["strategy"] = strategy
         trainer = Trainer(**kwargs)
     trainer.fit(model, ckpt_path=ckpt_path)
-    trainer.optimizers[0].wait()
     return trainer
 
 

@@ -34,6 +34,7 @@ keep their fp32 master. A parameter that views a larger buffer is never moved in
 
 import contextlib
 import weakref
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -148,6 +149,25 @@ class ChunkedAdamW(Optimizer):
         self._overlap = overlap
         self._build(chunk_bytes // 4, shard_across_ranks)
         self._built = True
+
+    # -- state seen from outside -------------------------------------------------------------
+
+    @property  # type: ignore[override]
+    def state(self) -> defaultdict[torch.Tensor, dict[str, Any]]:
+        """Per-parameter state, as torch's ``Optimizer.state``; read from outside, after every
+        queued step is applied. Lightning's teardown reads it (``_optimizers_to_device``) right
+        before it moves the module to the CPU: a step still writing its parameters back then would
+        be lost, or land in device memory already freed. The optimizer's own code reads
+        ``_state`` (the same dict) and waits where it must."""
+        if "_worker" in self.__dict__:
+            # A failed step is raised by the next step() or wait(), not here: teardown after that
+            # failure reads this too, and must not replace the error being handled.
+            self._wait(self._chunks, raise_failure=False)
+        return self._state
+
+    @state.setter
+    def state(self, value: defaultdict[torch.Tensor, dict[str, Any]]) -> None:
+        self._state = value
 
     # -- construction -------------------------------------------------------------------------
 
@@ -269,12 +289,13 @@ class ChunkedAdamW(Optimizer):
             " applied, later ones not): restore the model and optimizer from a checkpoint."
         ) from exc
 
-    def _wait(self, chunks: Iterable[Chunk]) -> None:
+    def _wait(self, chunks: Iterable[Chunk], raise_failure: bool = True) -> None:
         for chunk in chunks:
             chunk.done.wait()
             if chunk.cuda_done is not None:
                 torch.cuda.current_stream(self.device).wait_event(chunk.cuda_done)
-        self._raise_failure()
+        if raise_failure:
+            self._raise_failure()
 
     def wait(self) -> None:
         """Block until every queued chunk is stepped and written back (raises a worker failure)."""
@@ -385,7 +406,7 @@ class ChunkedAdamW(Optimizer):
 
     def _state_of(self, chunk: Chunk, i: int) -> dict[str, Any]:
         p = chunk.params[i]
-        state = self.state[p]
+        state = self._state[p]
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             if chunk.owned:  # sharded mode: other ranks keep the step count only
@@ -460,7 +481,7 @@ class ChunkedAdamW(Optimizer):
         self.wait()
         for chunk in self._chunks:  # state moved off the arena from outside is pointed back first
             for i, p in enumerate(chunk.params):
-                if "step" in self.state.get(p, {}):
+                if "step" in self._state.get(p, {}):
                     self._state_of(chunk, i)
         packed = super().state_dict()
         if self._group is None:
@@ -468,7 +489,7 @@ class ChunkedAdamW(Optimizer):
         index = _torch_indices(self.param_groups)
         shares = shares_wanted()
         for chunk in self._chunks:
-            stateful = [i for i, p in enumerate(chunk.params) if "step" in self.state.get(p, {})]
+            stateful = [i for i, p in enumerate(chunk.params) if "step" in self._state.get(p, {})]
             if not stateful:  # the same on every rank: step counts are kept everywhere
                 continue
             # 0-d parameters' chunks are gathered (on every rank alike): one-rank DTensors are not tried there.
@@ -513,7 +534,7 @@ class ChunkedAdamW(Optimizer):
             for key, value in saved.items():
                 if key != "params" and key not in _FIXED:
                     group[key] = tuple(value) if key == "betas" else value
-        self.state.clear()
+        self._state.clear()
         for key, saved_state in state_dict["state"].items():
             p = index[key]
             if p not in self._where:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -68,8 +69,6 @@ def fit(chunked: bool, max_steps: int = MAX_STEPS, ckpt_path=None, dirpath=None,
     kwargs.update(overrides)
     trainer = Trainer(**kwargs)
     trainer.fit(model, ckpt_path=ckpt_path)
-    if chunked:
-        trainer.optimizers[0].wait()
     return trainer, model
 
 
@@ -100,6 +99,32 @@ def test_trainer_bf16_mixed_within_tolerance():
         torch.testing.assert_close(x, y, rtol=0, atol=1e-6, msg=name)
     trainer, _ = fit(chunked=True, precision="bf16-mixed")  # with gradient_clip_val
     assert trainer.global_step == MAX_STEPS
+
+
+class SlowWorker(Callback):
+    """Every chunk's step starts 50 ms late on the worker thread: the last step is still queued
+    when the fit loop ends."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        worker = trainer.optimizers[0]._worker
+        run = worker.run
+        worker.run = lambda job: (time.sleep(0.05), run(job))[1]
+
+
+def test_fit_returns_with_the_last_step_applied():
+    """Lightning's teardown reads the optimizer's state before it moves the module to the CPU;
+    that read waits for the steps in flight, so ``trainer.fit`` returns final weights (on CUDA a
+    write-back after the move would be lost, or land in freed device memory)."""
+    _, reference = fit(chunked=False)
+    seed_everything(0, workers=True)
+    model = TiedNet(chunked=True)
+    trainer = Trainer(**trainer_kwargs(
+        max_steps=MAX_STEPS, gradient_clip_val=0.1, accumulate_grad_batches=2, callbacks=[SlowWorker()],
+        enable_checkpointing=False,
+    ))  # fmt: skip
+    trainer.fit(model)
+    assert all(chunk.done.is_set() for chunk in trainer.optimizers[0]._chunks)  # no wait() of ours
+    assert_same(model, reference)
 
 
 # Resumes from a checkpoint taken at the last batch of an epoch, without accumulation. (A
