@@ -21,6 +21,7 @@ import os
 import pickle
 import select
 import signal
+import site
 import socket
 import struct
 import subprocess
@@ -28,6 +29,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from lightning_ckpt.errors import CheckpointWriteError
@@ -118,13 +120,12 @@ class WriterProcess:
 
     def _start(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "lightning_ckpt.save.worker", str(child.fileno())],
             pass_fds=(child.fileno(),),
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            env=env,
+            env=writer_environment(),
         )
         child.close()
         self._sock = parent
@@ -326,6 +327,20 @@ class WriterProcess:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
+
+
+def writer_environment() -> dict[str, str]:
+    """The writer's environment: one thread for torch's CPU kernels, and the package this process
+    runs importable from anywhere. Where it was found outside the site folders (a source tree on a
+    relative ``PYTHONPATH=.``, a ``sys.path`` entry added in code), its folder goes first on the
+    child's ``PYTHONPATH``: the writer runs the same code, not a failed import, whatever folder it
+    starts in. Installed packages (editable ones too) are found through the site folders as usual."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    root = str(Path(__file__).resolve().parents[2])
+    sites = {str(Path(p).resolve()) for p in (*site.getsitepackages(), site.getusersitepackages())}
+    if root not in sites:
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return env
 
 
 def _wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int:

@@ -1,5 +1,7 @@
-"""The writer process's CPU-saving paths: the idle-priority digest with hand-over, the quick exit."""
+"""The writer process's CPU-saving paths: the idle-priority digest with hand-over, the quick exit;
+its environment."""
 
+import importlib.util
 import mmap
 import os
 import subprocess
@@ -8,8 +10,9 @@ import threading
 
 import pytest
 
+import lightning_ckpt
 from lightning_ckpt.format import manifest as fmt
-from lightning_ckpt.save.worker import _wait_exit
+from lightning_ckpt.save.worker import _wait_exit, writer_environment
 from lightning_ckpt.store import shards
 
 
@@ -119,3 +122,15 @@ def test_unwritable_names_a_read_only_filesystem(tmp_path):
     finally:
         subprocess.run(["umount", str(mount)], check=True)
     assert "Read-only file system" in message and "Make that folder writable" in message
+
+
+def test_the_writer_finds_this_package_from_any_folder(tmp_path, monkeypatch):
+    """A process that found the package through a relative ``PYTHONPATH=.`` (a source tree, the
+    GPU image) starts its writer in another folder: the writer's path names the package's folder."""
+    monkeypatch.setenv("PYTHONPATH", ".")
+    env = writer_environment()
+    assert env["OMP_NUM_THREADS"] == "1" and env["PYTHONPATH"].split(os.pathsep)[-1] == "."
+    # -S: no site folders (an editable install's finder would hide the path): PYTHONPATH alone
+    probe = "import importlib.util; print(importlib.util.find_spec('lightning_ckpt').origin)"
+    found = subprocess.run([sys.executable, "-S", "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == importlib.util.find_spec("lightning_ckpt").origin == lightning_ckpt.__file__
