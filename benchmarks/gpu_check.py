@@ -261,6 +261,9 @@ def _median(summary: dict[str, Any], key: str) -> Any:
 
 
 _PYTEST_LINE = re.compile(r"^(\S+::\S+?)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.M)
+# tests/gpu/conftest.py: a failure's traceback as it happens, each test's duration after it
+_PYTEST_FAILURE = re.compile(r"^--- (\S+) \(\w+\) failed ---\n(.*?)\n--- end \1 ---$", re.M | re.S)
+_PYTEST_DURATION = re.compile(r"^  \((\S+): ([0-9.]+) s\)$", re.M)
 # ``-v`` writes a test's id when it starts and its outcome on the same line when it ends
 _PYTEST_STARTED = re.compile(r"^(\S+\.py::\S+)[ \t]*$", re.M)
 
@@ -296,7 +299,19 @@ def parse_pytest(produced: Produced) -> Parsed:
         figures["source"] = "junit"
     else:
         seen = {m.group(1): m.group(2).lower() for m in _PYTEST_LINE.finditer(output)}
-        cases = [{"test": t, "outcome": {"xpass": "passed"}.get(o, o), "seconds": None, "message": "", "text": ""} for t, o in seen.items()]
+        # tests/gpu/conftest.py writes each failure's traceback and each test's duration as they
+        # happen, under pytest's node id (relative to the rootdir, the -v lines' to the working
+        # folder): matched by file name and test
+        def key(test: str) -> str:
+            return test.rsplit("/", 1)[-1]
+
+        texts = {key(m.group(1)): m.group(2) for m in _PYTEST_FAILURE.finditer(output)}
+        seconds = {key(m.group(1)): float(m.group(2)) for m in _PYTEST_DURATION.finditer(output)}
+        cases = [
+            {"test": t, "outcome": {"xpass": "passed"}.get(o, o), "seconds": seconds.get(key(t)), "message": "",
+             "text": texts.get(key(t), "")}
+            for t, o in seen.items()
+        ]
         figures["source"] = "pytest -v lines (no JUnit file: the run was cut short)"
         started = [m.group(1) for m in _PYTEST_STARTED.finditer(output)]
         if started and started[-1] not in seen:
@@ -570,7 +585,8 @@ def build_steps(env: dict[str, Any]) -> list[Step]:
              "--junitxml={work}/junit.xml", *per_test),
             # from the root: ids as tests/gpu/...; nothing lands there (no cache, its temporary
             # folders under --basetemp, no bytecode; each test runs in its own tmp_path)
-            240, parse_pytest, from_root=True,
+            # 42 tests: ~200 s on an H200 (2026-11-27), the sharded ones in processes of their own
+            250, parse_pytest, from_root=True,
         ),
         Step(
             "async-saves",
@@ -581,7 +597,7 @@ def build_steps(env: dict[str, Any]) -> list[Step]:
              "--saves", "3", "--every", "4", "--warmup", "6", "--timeout", "40",
              "--contenders", "torch_io,async_io,dcp_async,sharded_async,plain_copy",
              "--dir", "{work}/ckpts", "--json", "{json}"),
-            90, parse_async,
+            100, parse_async,  # 78 s on an H200
         ),
         Step(
             "offload-optimizers",
@@ -590,7 +606,7 @@ def build_steps(env: dict[str, Any]) -> list[Step]:
             " device memory, host RSS and page-locked bytes",
             _bench("--mode", "offload", "--device", "cuda", "--width", "4096", "--layers", "8", "--batch", "4096",
                    "--chunk-size", "64MiB", "--steps", "3", "--repeats", "1"),
-            40, parse_offload_optimizers,
+            25, parse_offload_optimizers,  # 17 s on an H200
         ),
         Step(
             "offload-save",
@@ -598,7 +614,7 @@ def build_steps(env: dict[str, Any]) -> list[Step]:
             " the GPU): stall, durable, bytes staged in the call, optimizer bytes copied off the device",
             _bench("--mode", "offload", "--save", "--device", "cuda", "--width", "4096", "--layers", "8",
                    "--batch", "1024", "--chunk-size", "64MiB", "--steps", "3", "--repeats", "1"),
-            30, parse_offload_save,
+            50, parse_offload_save,  # 34 s on an H200: two writer processes start
         ),
         Step(
             "offload-strategy",
@@ -608,7 +624,7 @@ def build_steps(env: dict[str, Any]) -> list[Step]:
             _bench("--mode", "offload", "--strategy", "--device", "cuda", "--width", "2048", "--layers", "8",
                    "--heads", "16", "--vocab", "8192", "--sequences", "2", "--seq-len", "512", "--budget", "768MB",
                    "--chunk-size", "128MiB", "--prefetch", "2", "--steps", "3", "--repeats", "1"),
-            45, parse_offload_strategy,
+            45, parse_offload_strategy,  # 33 s on an H200
         ),
         Step(
             "offload-largest",
@@ -617,7 +633,14 @@ def build_steps(env: dict[str, Any]) -> list[Step]:
             _bench("--mode", "offload", "--largest", "--device", "cuda", "--width", "1024", "--heads", "8",
                    "--vocab", "4096", "--sequences", "2", "--seq-len", "512", "--budget", "256MB",
                    "--chunk-size", "32MiB", "--steps", "2", "--max-layers", "16"),
-            40, parse_offload_largest,
+            45, parse_offload_largest,  # 36 s on an H200
+        ),
+        Step(
+            "fragmentation",
+            "emptying the CUDA cache after saves (never / on_pressure / always / expandable segments) in the"
+            " fragmenting loop: the step after a save, allocator retries, peak reserved",
+            _bench("--mode", "fragmentation", "--loops", "varying", "--steps", "50", "--every", "10"),
+            30, parse_fragmentation,  # 23 s on an H200
         ),
         Step(
             "activations",
@@ -625,14 +648,9 @@ def build_steps(env: dict[str, Any]) -> list[Step]:
             " and step time, off / every layer / every 2nd / selective / selective every other matmul",
             _bench("--mode", "activations", "--device", "cuda", "--layers", "8", "--hidden", "1024", "--heads", "16",
                    "--seq", "1024", "--batch", "4", "--repeats", "1", "--steps", "3"),
-            35, parse_activations,
-        ),
-        Step(
-            "fragmentation",
-            "emptying the CUDA cache after saves (never / on_pressure / always / expandable segments) in the"
-            " fragmenting loop: the step after a save, allocator retries, peak reserved",
-            _bench("--mode", "fragmentation", "--loops", "varying", "--steps", "50", "--every", "10"),
-            25, parse_fragmentation,
+            # ~14 s per configuration on an H200 (a fresh process each): the first ones, off and every
+            # layer, fit; the rest is read from the progress lines of a run cut short
+            25, parse_activations,
         ),
     ]
 

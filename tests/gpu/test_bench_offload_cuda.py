@@ -1,4 +1,4 @@
-"""Smoke test of ``bench --mode offload --device cuda`` at a tiny size."""
+"""Smoke test of ``python -m benchmarks --mode offload --device cuda`` at a tiny size."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_ckpt import bench
+import benchmarks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -20,7 +20,7 @@ def test_bench_offload_cuda_tiny(tmp_path: Path) -> None:
     json_path = tmp_path / "offload.json"
     argv = ["--mode", "offload", "--device", "cuda", "--width", "256", "--layers", "2", "--batch", "64",
             "--chunk-size", "64KiB", "--steps", "2", "--repeats", "1", "--json", str(json_path)]
-    assert bench.main(argv) == 0
+    assert benchmarks.main(argv) == 0
     rows = {r["contender"]: r for r in json.loads(json_path.read_text())["results"]}
     assert {"AdamW on the GPU (fused)", "ChunkedAdamW", "FSDP2 CPUOffloadPolicy"} <= set(rows)
     for row in rows.values():
@@ -34,7 +34,7 @@ def test_bench_offload_save_cuda_tiny(tmp_path: Path, monkeypatch) -> None:
     json_path = tmp_path / "save.json"
     argv = ["--mode", "offload", "--save", "--device", "cuda", "--width", "256", "--layers", "2", "--batch", "64",
             "--chunk-size", "64KiB", "--steps", "2", "--repeats", "1", "--json", str(json_path)]
-    assert bench.main(argv) == 0
+    assert benchmarks.main(argv) == 0
     rows = {r["contender"]: r for r in json.loads(json_path.read_text())["results"]}
     moments = 2 * 2 * (256 * 256 + 256) * 4
     # AdamW's moments come off the device; ChunkedAdamW's are host memory the arena copies itself
@@ -49,7 +49,7 @@ def test_bench_offload_strategy_cuda_tiny(tmp_path: Path) -> None:
     argv = ["--mode", "offload", "--strategy", "--device", "cuda", "--width", "1024", "--layers", "8", "--heads", "8",
             "--vocab", "512", "--sequences", "2", "--seq-len", "128", "--budget", "160MB", "--chunk-size", "32MiB",
             "--steps", "2", "--repeats", "1", "--json", str(json_path)]
-    assert bench.main(argv) == 0
+    assert benchmarks.main(argv) == 0
     rows = {r["contender"]: r for r in json.loads(json_path.read_text())["results"]}
     assert set(rows) == {"resident (no strategy)", "FSDP2 CPUOffloadPolicy", "ChunkedOffloadStrategy"}
     streamed = rows["ChunkedOffloadStrategy"]

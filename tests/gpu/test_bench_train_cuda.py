@@ -1,4 +1,4 @@
-"""CUDA: ``bench --mode train`` trains a tiny decoder on the GPU through every contender, and the
+"""CUDA: ``python -m benchmarks --mode train`` trains a tiny decoder on the GPU through every contender, and the
 last checkpoint of each reloads bit-exact (no timing thresholds)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers import assert_positive_medians
 
+import benchmarks
 from benchmarks import train
-from lightning_ckpt import bench
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,7 +27,7 @@ def test_bench_train_cuda_tiny(tmp_path: Path) -> None:
         "--dir", str(tmp_path / "ckpts"), "--json", str(json_path),
     ]  # fmt: skip
 
-    assert bench.main(argv) == 0
+    assert benchmarks.main(argv) == 0
 
     report = json.loads(json_path.read_text())
     assert report["settings"]["device"] == "cuda" and report["machine"]["cuda"]["device"]

@@ -20,6 +20,7 @@ pytestmark = [
 ]
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded_cuda_fit.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("devices", [1, 2])
@@ -31,6 +32,8 @@ def test_sharded_strategy_saves_in_our_format_and_resumes(tmp_path, mode, save, 
     report = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
     env["LCKPT_TEST_DEVICES"] = str(devices)
+    # the package from this tree in the script's folder too (a relative PYTHONPATH=. would not be)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     proc = subprocess.run(
         [sys.executable, SCRIPT, str(report), mode, save], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )

@@ -155,19 +155,25 @@ def test_test_results_come_from_the_junit_file_with_the_failures_and_their_trace
     assert figures["skip_reasons"] == {"needs two devices": 1}
 
 
-def test_a_test_run_cut_short_names_the_test_it_was_running(tmp_path: Path) -> None:
+def test_a_test_run_cut_short_names_the_test_it_was_running_and_keeps_the_tracebacks(tmp_path: Path) -> None:
     test_file = tmp_path / "test_sample.py"
     test_file.write_text(
         "import time, pytest\n"
         "pytestmark = pytest.mark.gpu\n"
         "def test_passes(): pass\n"
+        "def test_fails(): assert 1 == 2, 'one is not two'\n"
         "def test_hangs(): time.sleep(60)\n"
     )
-    (done,) = gpu_check.run_check([_pytest_step(test_file, 5)], tmp_path / "out", environment=CPU_ONLY)
+    # the GPU tier's conftest: failures written as they happen (pytest's summary never comes)
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "gpu" / "conftest.py").read_text())
+    (done,) = gpu_check.run_check([_pytest_step(test_file, 8)], tmp_path / "out", environment=CPU_ONLY)
 
-    assert done["status"] == "failed" and done["reason"].startswith("timed out after 5 s; stopped while running")
-    assert done["figures"]["counts"]["passed"] == 1
-    assert done["figures"]["running_when_stopped"].endswith("test_sample.py::test_hangs")
+    figures = done["figures"]
+    assert done["status"] == "failed" and done["reason"].startswith("timed out after 8 s; 1 failed: test_fails;")
+    assert figures["counts"]["passed"] == 1 and figures["counts"]["failed"] == 1
+    assert figures["running_when_stopped"].endswith("test_sample.py::test_hangs")
+    (failure,) = figures["failures"]
+    assert failure["test"].endswith("test_sample.py::test_fails") and "one is not two" in failure["traceback"]
 
 
 def test_a_tier_that_only_skipped_is_skipped_not_passed(tmp_path: Path) -> None:
