@@ -39,6 +39,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 from lightning_ckpt.format.plan import parse_size
@@ -56,6 +58,7 @@ from lightning_ckpt.offload.stepper import (
     Job,
     Stepper,
     Worker,
+    local_of,
     slot_views,
     stamp,
 )
@@ -107,8 +110,8 @@ class ChunkedAdamW(Optimizer):
             refused.
     """
 
-    # Its write-back bumps each parameter's version counter itself, and compares the counter to
-    # tell a parameter set from outside: incremental saves' post-step hook must not bump them too.
+    # Its worker bumps the version counters of the parameters and state it writes (and compares a
+    # parameter's to tell one set from outside): incremental saves' post-step hook leaves it alone.
     bumps_parameter_versions = True
 
     def __init__(
@@ -200,19 +203,29 @@ class ChunkedAdamW(Optimizer):
                 if p.requires_grad and p not in seen:
                     seen.add(p)
                     packed.append((g, p))
-                    devices.add(p.device)
+                    devices.add(local_of(p).device)
+        _reject_flat_parameters([p for _, p in packed])
+        sharded = [isinstance(p, DTensor) for _, p in packed]
+        # FSDP2: each rank packs and steps its local shards alone; FSDP2 reduce-scatters the
+        # gradients and all-gathers the updated shards, so the optimizer runs no collective.
+        self._fsdp = any(sharded)
+        if self._fsdp and not all(sharded):
+            raise ValueError(
+                "ChunkedAdamW got FSDP2-sharded parameters (DTensors) and plain ones together: shard the"
+                " whole model (`fully_shard` on the root module too), or build one optimizer per kind."
+            )
         if len(devices) > 1:
             raise ValueError(
                 f"ChunkedAdamW needs every parameter on one device; `params` spans {sorted(map(str, devices))}."
                 " Move the model to one device before building the optimizer."
             )
         self.device = devices.pop() if devices else torch.device("cpu")
-        layout = plan_chunks([(g, p.numel(), p.dtype) for g, p in packed], chunk_numel)
+        layout = plan_chunks([(g, local_of(p).numel(), p.dtype) for g, p in packed], chunk_numel)
         dist = torch.distributed
         self._group = None  # sharded mode: the group the owners broadcast over
         owners = (0,) * len(layout.chunks)
         rank = 0
-        if shard and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if shard and not self._fsdp and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # Collective: every rank builds its optimizer (configure_optimizers runs on each).
             self._group = dist.new_group(backend="gloo")
             rank = dist.get_rank()
@@ -225,7 +238,7 @@ class ChunkedAdamW(Optimizer):
             # region is allocated anyway, and the others still need their write-back.
             in_place = frozenset(
                 spec.index for spec in layout.chunks
-                if spec.dtype == MASTER_DTYPE and all(steps_in_place(packed[s.param][1]) for s in spec.slots)
+                if spec.dtype == MASTER_DTYPE and all(_in_place(packed[s.param][1]) for s in spec.slots)
             )
             layout = restrict(layout, {spec.index for spec in layout.chunks}, in_place)
         self.layout = layout
@@ -238,7 +251,8 @@ class ChunkedAdamW(Optimizer):
             owned = owners[spec.index] == rank
             empty = torch.empty(0, dtype=MASTER_DTYPE)
             master_flat, avg, avg_sq = self._arena.tensors(spec) if owned else (empty, empty, empty)
-            master, exp_avg, exp_avg_sq = (slot_views(spec, params, t) for t in (master_flat, avg, avg_sq))
+            shapes = [local_of(p) for p in params]
+            master, exp_avg, exp_avg_sq = (slot_views(spec, shapes, t) for t in (master_flat, avg, avg_sq))
             chunk = Chunk(
                 spec=spec,
                 params=params,
@@ -256,6 +270,8 @@ class ChunkedAdamW(Optimizer):
             self._chunks.append(chunk)
             for i, p in enumerate(params):
                 self._where[p] = (chunk, i)
+                if self._fsdp:
+                    continue  # gradients are read where FSDP2 leaves them, its memory never moved
                 p.register_post_accumulate_grad_hook(GradMover(weakref.ref(self)))
                 if owned and spec.master and self._group is None and _may_alias(p):
                     self._arena.writable(spec)
@@ -307,7 +323,7 @@ class ChunkedAdamW(Optimizer):
         self._wait(found.values())
 
     def _module_chunks(self, module: torch.nn.Module) -> list[Chunk]:
-        found = {id(self._where[p][0]): self._where[p][0] for p in module._parameters.values() if p in self._where}
+        found = {id(self._where[p][0]): self._where[p][0] for p in _unit_parameters(module) if p in self._where}
         return list(found.values())
 
     def _adopt(self, module: torch.nn.Module) -> None:
@@ -320,11 +336,12 @@ class ChunkedAdamW(Optimizer):
             return
         self._hooked.add(id(module))
         for chunk in chunks:
-            for p in module._parameters.values():
-                if p is not None and self._where.get(p, (None,))[0] is chunk:
+            for p in _unit_parameters(module):
+                if self._where.get(p, (None,))[0] is chunk:
                     self._awaited.add(p)
         waiter = ChunkWaiter(weakref.ref(self), chunks)
-        module.register_forward_pre_hook(waiter)
+        # First among the module's pre-hooks: FSDP2's all-gathers the unit's shards in its own.
+        module.register_forward_pre_hook(waiter, prepend=True)
         module.register_state_dict_pre_hook(waiter)
 
     # -- the step -------------------------------------------------------------------------------
@@ -361,13 +378,14 @@ class ChunkedAdamW(Optimizer):
                         "ChunkedAdamW does not support sparse gradients (e.g. `nn.Embedding(sparse=True)`):"
                         " build the module with `sparse=False`, or use torch.optim.SparseAdam for it."
                     )
-                if not self._reads_in_place(p):
+                if not self._reads_in_place(p) and not self._fsdp:
                     self._into_view(chunk, i)
-                grads.append(p.grad)
-                if chunk.owned and chunk.versions[i] != stamp(p) and not chunk.aliased(i):  # set from outside
+                grads.append(local_of(p.grad))
+                local = chunk.local(i)
+                if chunk.owned and chunk.versions[i] != stamp(local) and not chunk.aliased(i):  # set from outside
                     self._arena.writable(chunk.spec)
-                    chunk.master[i].copy_(p.detach())
-                    chunk.versions[i] = stamp(p)
+                    chunk.master[i].copy_(local.detach())
+                    chunk.versions[i] = stamp(local)
                 members.append(i)
             if not members:
                 continue
@@ -384,6 +402,7 @@ class ChunkedAdamW(Optimizer):
                 eps=float(group["eps"]),
                 weight_decay=float(group["weight_decay"]),
                 grads=grads,
+                grads_in_buffer=not self._fsdp,
                 masters=chunk.masters_of(members),
             )
             jobs.append(job)
@@ -427,9 +446,11 @@ class ChunkedAdamW(Optimizer):
         """Can the worker read ``p.grad`` where it is? On the CPU, a dense gradient of the
         parameter's shape and dtype (``ChunkedOffloadStrategy``'s host gradient buffers): no copy
         into the chunk's buffer, which is then never allocated."""
-        grad = p.grad
+        if p.grad is None:
+            return False
+        p, grad = local_of(p), local_of(p.grad)
         return (
-            self.device.type == "cpu" and grad is not None and grad.device.type == "cpu" and grad.layout == torch.strided
+            self.device.type == "cpu" and grad.device.type == "cpu" and grad.layout == torch.strided
             and grad.dtype == p.dtype and grad.shape == p.shape and grad.is_contiguous()
         )
 
@@ -484,6 +505,17 @@ class ChunkedAdamW(Optimizer):
                 if "step" in self._state.get(p, {}):
                     self._state_of(chunk, i)
         packed = super().state_dict()
+        if self._fsdp:
+            # FSDP2: the moments as DTensors laid out as their parameters (what torch's AdamW holds
+            # there, what DCP's state-dict helpers and savers expect), viewing the arena.
+            index = _torch_indices(self.param_groups)
+            for chunk in self._chunks:
+                for p in chunk.params:
+                    entry = packed["state"].get(index[id(p)])
+                    for key in ("exp_avg", "exp_avg_sq") if entry is not None else ():
+                        entry[key] = DTensor.from_local(
+                            entry[key], p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
+                        )
         if self._group is None:
             return packed
         index = _torch_indices(self.param_groups)
@@ -543,10 +575,10 @@ class ChunkedAdamW(Optimizer):
             state = self._state_of(chunk, i)
             if chunk.owned:
                 self._arena.writable(chunk.spec)
-            state["step"].fill_(float(saved_state["step"]))
+            state["step"].fill_(float(local_of(torch.as_tensor(saved_state["step"]))))
             if chunk.owned:
-                state["exp_avg"].copy_(saved_state["exp_avg"].reshape(p.shape))
-                state["exp_avg_sq"].copy_(saved_state["exp_avg_sq"].reshape(p.shape))
+                state["exp_avg"].copy_(_local_value(saved_state["exp_avg"], p))
+                state["exp_avg_sq"].copy_(_local_value(saved_state["exp_avg_sq"], p))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         raise TypeError("ChunkedAdamW cannot be unpickled or deep-copied: save its state_dict() instead.")
@@ -563,6 +595,64 @@ class ChunkedAdamW(Optimizer):
     @property
     def pinned_bytes(self) -> int:
         return self._arena.pinned_bytes
+
+
+def _reject_flat_parameters(params: list[torch.Tensor]) -> None:
+    """FSDP (1) flattens a unit's parameters into one ``FlatParameter``, which ranks hold in
+    pieces that do not follow the parameters (with ``use_orig_params=True`` the parameters are
+    views of it, empty on the ranks that hold none of them): nothing here can step those."""
+    if any(getattr(p, "_is_flat_param", False) or getattr(p, "_fsdp_flattened", False) for p in params):
+        raise ValueError(
+            "ChunkedAdamW does not step FSDP (1) parameters (`FSDPStrategy`, `FullyShardedDataParallel`:"
+            " flat parameters, or views of them with `use_orig_params=True`). Shard with FSDP2 instead:"
+            " Lightning's `ModelParallelStrategy` with `fully_shard` in `configure_model` (or"
+            " `torch.distributed.fsdp.fully_shard`), whose shards ChunkedAdamW steps on the host; or keep"
+            " FSDPStrategy with torch.optim.AdamW."
+        )
+
+
+def _in_place(p: torch.Tensor) -> bool:
+    """Can the kernel step ``p`` where it is, as its own master weights (no master copy)? fp32 host
+    memory whose owner lets us: ``ChunkedOffloadStrategy``'s host chunks (registered in
+    :mod:`lightning_ckpt.offload.inplace`), or an FSDP2 parameter's local shard in host memory
+    (``CPUOffloadPolicy``, or the CPU standing in for the device), which FSDP2 all-gathers only
+    from the unit's pre-forward, after the unit's forward waited for its chunks."""
+    if isinstance(p, DTensor):
+        local = local_of(p)
+        return local.device.type == "cpu" and local.dtype == MASTER_DTYPE and local.is_contiguous()
+    return steps_in_place(p)
+
+
+def _unit_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters a module's forward reads first as one unit: an FSDP2 module's (all-gathered
+    together in its pre-forward: those of its submodules, not those under a nested FSDP2
+    module), else those it registers itself."""
+    if not isinstance(module, FSDPModule):
+        return [p for p in module._parameters.values() if p is not None]
+    nested: list[str] = []
+    found: list[torch.Tensor] = []
+    for name, sub in module.named_modules():
+        if any(name.startswith(prefix) for prefix in nested):
+            continue
+        if sub is not module and isinstance(sub, FSDPModule):
+            nested.append(name + ".")
+            continue
+        found.extend(p for p in sub._parameters.values() if p is not None)
+    return found
+
+
+def _local_value(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A loaded state tensor of parameter ``p`` as ``p``'s local part: a DTensor's local shard (laid
+    out as ``p``'s first, which is a collective where it differs), a whole tensor cut as ``p`` is
+    (no communication), else ``value`` reshaped."""
+    if isinstance(p, DTensor):
+        if isinstance(value, DTensor):
+            if value.device_mesh != p.device_mesh or tuple(value.placements) != tuple(p.placements):
+                value = value.redistribute(p.device_mesh, p.placements)
+            value = value.to_local()
+        elif value.shape == p.shape and value.shape != local_of(p).shape:
+            value = distribute_tensor(value.to(local_of(p).device), p.device_mesh, p.placements, src_data_rank=None).to_local()
+    return value.reshape(local_of(p).shape)
 
 
 def _may_alias(p: torch.Tensor) -> bool:

@@ -16,12 +16,24 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import increment_version
+from torch.distributed.tensor import DTensor
 
 from lightning_ckpt.offload.chunks import MASTER_DTYPE, ChunkSpec, HostArena
 
 
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """This rank's own part of ``t``: the local shard of a ``DTensor`` (an FSDP2 parameter or its
+    gradient; a view of the memory FSDP2 all-gathers from, so writes to it are what the next
+    all-gather reads), else ``t`` itself. Resolved at each use: FSDP2 may swap a parameter's local
+    tensor (its lazy initialization does), never the parameter object. Any thread."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():  # a plain view, never an autograd node (the worker thread has grad mode on)
+            return t.to_local()
+    return t
+
+
 def stamp(p: torch.Tensor) -> tuple[int, int]:
-    """What tells that ``p`` was written from outside since it was last seen (see ``Chunk.versions``)."""
+    """What tells that ``p`` (a local tensor) was written from outside since it was last seen (see ``Chunk.versions``)."""
     return p.data_ptr(), p._version
 
 
@@ -40,7 +52,7 @@ class Chunk:
     """
 
     spec: ChunkSpec
-    params: list[torch.Tensor]
+    params: list[torch.Tensor]  # as the optimizer's groups hold them (FSDP2: DTensors; see ``local``)
     # Flat, on the parameters' device, in their dtype: allocated when the first gradient is moved
     # in (``grad_views``); never, when every gradient arrives as host memory of its own (a CPU
     # step reads those in place: ``ChunkedOffloadStrategy``'s host gradient buffers).
@@ -63,6 +75,10 @@ class Chunk:
     def __post_init__(self) -> None:
         self.done.set()
 
+    def local(self, i: int) -> torch.Tensor:
+        """Parameter ``i`` as this rank holds it: what the chunk's slot lays out (``local_of``)."""
+        return local_of(self.params[i])
+
     @property
     def params_are_master(self) -> bool:
         """See the class docstring: the chunk's spec has no master region (never on CUDA, never sharded)."""
@@ -72,7 +88,7 @@ class Chunk:
         """``grads``, allocating the gradient buffer (zeros) on first use."""
         if self.grad_buffer is None:
             self.grad_buffer = torch.zeros(self.spec.numel, dtype=self.spec.dtype, device=self.device)
-            self.grads = slot_views(self.spec, self.params, self.grad_buffer)
+            self.grads = slot_views(self.spec, [self.local(i) for i in range(len(self.params))], self.grad_buffer)
         return self.grads
 
     def aliased(self, i: int) -> bool:
@@ -80,7 +96,7 @@ class Chunk:
         Checked each time: something may have pointed the parameter elsewhere since (``p.data = ...``)."""
         if self.params_are_master:
             return True
-        return self.owned and self.params[i].data_ptr() == self.master[i].data_ptr()
+        return self.owned and self.local(i).data_ptr() == self.master[i].data_ptr()
 
     def masters_of(self, members: list[int]) -> list[torch.Tensor]:
         """What the kernel steps for ``members``: their master weights, or (``params_are_master``)
@@ -92,7 +108,7 @@ class Chunk:
         if not self.params_are_master:
             return [self.master[i] for i in members]
         for i in members:
-            p = self.params[i]
+            p = self.local(i)
             shape = self.exp_avg[i].shape
             if p.device.type != "cpu" or p.dtype != MASTER_DTYPE or not p.is_contiguous() or p.shape != shape:
                 raise ValueError(
@@ -101,7 +117,7 @@ class Chunk:
                     f" tensor of shape {tuple(p.shape)} on {p.device}. Change its values in place instead of"
                     " assigning `p.data` (`with torch.no_grad(): p.copy_(value)`); no step was taken."
                 )
-        return [self.params[i].detach() for i in members]  # the kernel does not bump versions: the write-back does
+        return [self.local(i).detach() for i in members]  # the kernel does not bump versions: the write-back does
 
 
 def slot_views(spec: ChunkSpec, params: list[torch.Tensor], flat: torch.Tensor) -> list[torch.Tensor]:
@@ -125,7 +141,10 @@ class Job:
     eps: float
     weight_decay: float
     grads_ready: Any = None  # torch.cuda.Event on the training stream (CUDA only)
-    grads: list[torch.Tensor] = field(default_factory=list)  # the members' ``.grad`` at ``step()``
+    grads: list[torch.Tensor] = field(default_factory=list)  # the members' (local) ``.grad`` at ``step()``
+    # CUDA: the gradients are views of the chunk's gradient buffer (one copy to the host); else
+    # each is copied on its own (FSDP2's sharded gradients, which stay where FSDP2 put them)
+    grads_in_buffer: bool = True
     masters: list[torch.Tensor] = field(default_factory=list)  # what the kernel steps (``Chunk.masters_of``)
 
 
@@ -185,11 +204,15 @@ class Stepper:
             return job.grads  # already host memory (the chunk's views, or a buffer of their own): read in place
         flat = self.host_grad[: c.spec.numel]
         slots = c.spec.slots
-        views = [flat[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]) for i in job.members]
+        views = [flat[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.local(i)) for i in job.members]
         if self.cuda:
             with torch.cuda.device(self.device), torch.cuda.stream(self.d2h):
                 self.d2h.wait_event(job.grads_ready)
-                flat.copy_(c.grad_buffer, non_blocking=True)
+                if job.grads_in_buffer:
+                    flat.copy_(c.grad_buffer, non_blocking=True)
+                else:
+                    for view, grad in zip(views, job.grads):
+                        view.copy_(grad, non_blocking=True)
             self.d2h.synchronize()
         else:
             for view, grad in zip(views, job.grads):
@@ -214,19 +237,24 @@ class Stepper:
                     flat = self.device_master[: c.spec.numel]
                     flat.copy_(source, non_blocking=True)
                     for i in job.members:
-                        c.params[i].copy_(flat[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]))
+                        p = c.local(i)
+                        p.copy_(flat[slots[i].offset : slots[i].offset + slots[i].numel].view_as(p))
                     event = torch.cuda.Event()
                     event.record(self.h2d)
                 # Until ``event`` the copy reads ``source``: the next job waits for it first.
                 c.cuda_done = self.last_write = event
             else:
                 for i in job.members:
+                    p = c.local(i)
                     if source is c.master_flat and c.aliased(i):  # ``aliased`` holds for ``params_are_master``
-                        increment_version(c.params[i])
+                        increment_version(p)
                     else:
-                        c.params[i].copy_(source[slots[i].offset : slots[i].offset + slots[i].numel].view_as(c.params[i]))
+                        p.copy_(source[slots[i].offset : slots[i].offset + slots[i].numel].view_as(p))
         for i in job.members:
-            c.versions[i] = stamp(c.params[i])
+            c.versions[i] = stamp(c.local(i))
+            if isinstance(c.params[i], DTensor):
+                # A DTensor's counter is its own (saves compare it): the writes above were to its shard.
+                increment_version(c.params[i])
 
     def __call__(self, job: Job) -> None:
         c = job.chunk
@@ -259,6 +287,9 @@ class Stepper:
             amsgrad=False,
             maximize=False,
         )
+        # The fused kernel bumps no version counter: saves tell changed state by them (and the
+        # optimizer's post-step hooks, run when ``step()`` returns, may be before this runs).
+        increment_version([*(c.exp_avg[i] for i in job.members), *(c.exp_avg_sq[i] for i in job.members)])
         if self.group is not None:
             torch.distributed.broadcast(c.master_flat, src=c.owner, group=self.group)
         self._write_back(job, c.master_flat)

@@ -223,11 +223,14 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
     place without bumping it, and the change rule reads nothing else. A bump the step made itself
     already changes nothing: the rule only asks whether the counter moved. An optimizer whose
     ``bumps_parameter_versions`` is true (``ChunkedAdamW``: it compares the counters to tell
-    outside writes) bumps its parameters' itself; only its state is bumped here."""
+    outside writes, and steps in the background after this hook ran) bumps the counters of its
+    parameters and state itself, when it writes them: nothing is read here (its ``state``, read
+    from outside, waits for the step)."""
+    if getattr(optimizer, "bumps_parameter_versions", False):
+        return
     stepped = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     state = [v for p in stepped for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-    own = getattr(optimizer, "bumps_parameter_versions", False)
-    tensors = [t for t in ([] if own else stepped) + state if not t.is_inference()]
+    tensors = [t for t in stepped + state if not t.is_inference()]
     if tensors:
         increment_version(tensors)
 

@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import lightning_ckpt as lc  # noqa: E402
 
 ASYNC = os.environ.get("LCKPT_TEST_ASYNC") == "1"
+CHUNKED = os.environ.get("LCKPT_TEST_CHUNKED") == "1"
 
 
 class ShardedNet(LightningModule):
@@ -65,6 +66,8 @@ class ShardedNet(LightningModule):
         return loss
 
     def configure_optimizers(self):
+        if CHUNKED:  # each rank steps its own shards on the host
+            return lc.ChunkedAdamW(self.parameters(), lr=0.01, chunk_size="1KiB")
         return torch.optim.AdamW(self.parameters(), lr=0.01)
 
     def train_dataloader(self):
@@ -240,9 +243,17 @@ def reshard(report: str, devices: int, ckpt: str, full: str) -> None:
     run = trainer(devices, [CaptureRestored(restored)], 3)
     run.fit(ShardedNet(), ckpt_path=ckpt)
     if run.is_global_zero:
-        same = states_equal(torch.load(full, weights_only=True), torch.load(restored, weights_only=True))
+        saved, loaded = torch.load(full, weights_only=True), torch.load(restored, weights_only=True)
+        groups = zip(saved["optimizer"]["param_groups"], loaded["optimizer"]["param_groups"])
         with open(report, "w") as f:
-            json.dump({"world_size": run.world_size, "restored_equals_saved": same}, f)
+            json.dump({
+                "world_size": run.world_size,
+                "restored_equals_saved": states_equal(saved, loaded),
+                "tensors_equal": states_equal(saved["model"], loaded["model"])
+                and states_equal(saved["optimizer"]["state"], loaded["optimizer"]["state"]),
+                # param-group keys whose values differ (another optimizer class names its own flags)
+                "group_differences": sorted({k for a, b in groups for k in a.keys() | b.keys() if a.get(k) != b.get(k)}),
+            }, f)  # fmt: skip
 
 
 class WideNet(LightningModule):

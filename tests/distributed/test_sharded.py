@@ -66,7 +66,7 @@ def test_two_ranks_every_rank_writes_and_resume_is_bit_identical(tmp_path, mode)
     if mode == "fsdp1":  # an FSDP1 checkpoint resumes under FSDP2 on another world size
         checkpoint, full = folder / "epoch=0-step=4.ckpt", tmp_path / "full-epoch0.pt"
         resharded = run_script("distributed/sharded_fit.py", "reshard", "1", str(checkpoint), str(full), tmp_path=tmp_path)
-        assert resharded == {"world_size": 1, "restored_equals_saved": True}
+        assert resharded["world_size"] == 1 and resharded["restored_equals_saved"]
 
 
 def test_fsdp2_async_on_four_ranks_reshards_to_two_and_to_one(tmp_path, monkeypatch):
@@ -78,7 +78,7 @@ def test_fsdp2_async_on_four_ranks_reshards_to_two_and_to_one(tmp_path, monkeypa
     resharded = run_script(
         "distributed/sharded_fit.py", "reshard", "2", str(checkpoint), str(tmp_path / "full-epoch0.pt"), tmp_path=tmp_path
     )
-    assert resharded == {"world_size": 2, "restored_equals_saved": True}
+    assert resharded["world_size"] == 2 and resharded["restored_equals_saved"]
     _single_process_load_equals(checkpoint, tmp_path / "full-epoch0.pt")
 
 
