@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-layers", type=int, default=1024, help="--largest: the deepest decoder tried")
     parser.add_argument("--max-host-gb", type=float, default=None, help=f"--largest: host memory a size may need (estimated at {HOST_BYTES_PER_PARAM} B/param); default {HOST_MARGIN:.0%}% of the available")
     parser.add_argument("--save", action="store_true", help="rows of an async checkpoint save with ChunkedAdamW vs AdamW")
+    parser.add_argument("--fsdp2", action="store_true", help="ChunkedAdamW on FSDP2 shards vs fused AdamW, --ranks CPU ranks (--width, --layers, --batch)")
+    parser.add_argument("--ranks", type=int, default=2, help="--fsdp2: CPU ranks (gloo)")
     add_json_argument(parser)
     return parser
 
@@ -845,7 +847,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench --mode offload --largest: `--steps {args.steps}` and `--max-layers {args.max_layers}` must be at least 1.", file=sys.stderr)
         return 2
     started = time.time()
-    if args.largest:
+    render = render_table
+    if args.fsdp2:
+        from benchmarks import offload_fsdp2
+
+        if args.device != "cpu" or args.ranks < 1:
+            print("bench --mode offload --fsdp2 runs on CPU ranks (`--ranks` >= 1); its GPU rows are in make gpu-check.", file=sys.stderr)
+            return 2
+        rows, render = offload_fsdp2.run(args), offload_fsdp2.render_table
+    elif args.largest:
         rows = run_largest(args)
     elif args.save:
         rows = run_save(args)
@@ -855,7 +865,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = run_strategy(args) if args.strategy else run(args)
     settings = {k: v for k, v in vars(args).items() if k != "json_path"}
     report = {**report_header(argv, started), "settings": settings, "machine": machine_info(os.getcwd(), cuda=args.device == "cuda"), "results": rows}
-    emit_report(render_table(rows), report, args.json_path)
+    emit_report(render(rows), report, args.json_path)
     return 0
 
 

@@ -84,3 +84,20 @@ def test_bench_offload_largest_host_cap_tiny(tmp_path: Path) -> None:
         # the final norm and the head (2 x 64 x 32 + 2 x 32), not 7: the budget (10 MB) is not what stops it
         assert (row["largest_layers"], row["next_layers"]) == (6, 7)
         assert row["next_reason"].startswith("host-memory cap") and "--max-host-gb 0.002" in row["next_reason"]
+
+
+def test_bench_offload_fsdp2_tiny(tmp_path: Path) -> None:
+    json_path = tmp_path / "fsdp2.json"
+    argv = ["--mode", "offload", "--fsdp2", "--ranks", "2", "--width", "64", "--layers", "2", "--batch", "8",
+            "--chunk-size", "16KiB", "--steps", "2", "--repeats", "1", "--json", str(json_path)]
+    assert bench.main(argv) == 0
+    rows = {r["contender"]: r for r in json.loads(json_path.read_text())["results"]}
+    assert set(rows) == {"FSDP2 + AdamW fused", "FSDP2 + ChunkedAdamW"}
+    assert rows["FSDP2 + AdamW fused"]["vs_adamw"] == 1.0
+    for row in rows.values():
+        assert row["median_step_seconds"] > 0 and len(row["host_optimizer_bytes_per_rank"]) == 2
+        # each rank holds half of the 2 x (64 x 64 + 64) parameters
+        assert sum(row["local_params_per_rank"]) == 2 * (64 * 64 + 64)
+    # moments only, on each rank's shards (the shards are host fp32: stepped in place)
+    for n, b in zip(rows["FSDP2 + ChunkedAdamW"]["local_params_per_rank"], rows["FSDP2 + ChunkedAdamW"]["host_optimizer_bytes_per_rank"]):
+        assert 8 * n <= b
