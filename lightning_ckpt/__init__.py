@@ -44,6 +44,8 @@ _LAZY = {
     "ShardedFSDPStrategy": "lightning_ckpt.lightning.strategies",
     "ShardedModelParallelStrategy": "lightning_ckpt.lightning.strategies",
     "ShardedStorageReader": "lightning_ckpt.format.dcp",
+    "ExportError": "lightning_ckpt.export",
+    "export_hf": "lightning_ckpt.export",
     "load_checkpoint": "lightning_ckpt.functional",
     "load_from_checkpoint": "lightning_ckpt.lightning.loading",
     "remove_checkpoint": "lightning_ckpt.functional",
@@ -52,6 +54,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from lightning_ckpt.export import ExportError, export_hf
     from lightning_ckpt.format.dcp import ShardedStorageReader
     from lightning_ckpt.functional import (
         load_checkpoint,
@@ -157,6 +160,7 @@ __all__ = [
     "ChunkedAdamW",
     "ChunkedOffloadStrategy",
     "CorruptCheckpointError",
+    "ExportError",
     "MissingDependencyError",
     "OffloadBudgetError",
     "ShardedCheckpointIO",
@@ -170,6 +174,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedFormatError",
     "apply_activation_checkpointing",
+    "export_hf",
     "load_checkpoint",
     "load_from_checkpoint",
     "remove_activation_checkpointing",

@@ -1,4 +1,4 @@
-"""``python -m lightning_ckpt inspect | verify | convert | bench``.
+"""``python -m lightning_ckpt inspect | verify | convert | export-hf | bench``.
 
 Checkpoints read: lightning_ckpt directories, single files written by ``torch.save`` (Lightning's
 default ``.ckpt``) and stock DCP folders written by Lightning's sharded strategies
@@ -24,6 +24,9 @@ A remote checkpoint's document is a directory's, ``path`` being the URL as given
 ``null`` where the format records none. A tensor stored in pieces (multi-rank saves, DCP) has
 its whole ``shape``, ``file`` naming its first piece, and ``chunks``: each piece's ``file``,
 ``offsets`` and ``shape`` (and, in our format, its ``blob``).
+
+``export-hf CKPT OUT_DIR`` writes the model of a checkpoint as a Hugging Face folder (safetensors
+files, their index, ``config.json``) that ``from_pretrained(OUT_DIR)`` loads (see ``export``).
 
 Exit codes: 0 success; 1 the checkpoint is damaged or the operation failed; 2 bad usage.
 """
@@ -52,6 +55,7 @@ from lightning_ckpt.errors import (
     CheckpointNotFoundError,
     MissingDependencyError,
 )
+from lightning_ckpt.export import DTYPES, ExportError, export_hf
 from lightning_ckpt.format import legacy as legacy_dcp
 from lightning_ckpt.format.manifest import Manifest
 from lightning_ckpt.format.plan import dtype_name, encode_checkpoint
@@ -393,6 +397,22 @@ def _convert(
     return 0
 
 
+def _export_hf(args: argparse.Namespace, options: remote.RemoteOptions, console: Console) -> int:
+    src = args.src if remote.is_remote(args.src) else _local(args.src)
+    result = export_hf(
+        src, _local(args.out_dir), prefix=args.prefix, dtype=args.dtype, config=args.config,
+        max_shard_size=args.max_shard_size, weights_only=not args.unsafe_load,
+        storage_options=dict(options.storage_options),
+    )  # fmt: skip
+    tied = f", tied stored once: {', '.join(result['dropped_tied'])}" if result["dropped_tied"] else ""
+    console.print(
+        f"wrote {escape(args.out_dir)}: {result['tensors']} tensors, {_human(result['bytes'])} in"
+        f" {', '.join(result['files'])} + config.json (prefix {result['prefix']!r} stripped{tied})",
+        highlight=False, soft_wrap=True,
+    )  # fmt: skip
+    return 0
+
+
 def _exists(path: str, options: remote.RemoteOptions) -> bool:
     """Anything at ``path``: for a URL, any object under it (a checkpoint of ours or not)."""
     if not remote.is_remote(path):
@@ -437,6 +457,20 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument(
         "--unsafe", action="store_true", help="allow arbitrary unpickling (weights_only=False); trusted files only"
     )
+    export = commands.add_parser(
+        "export-hf", help="write the model as a Hugging Face folder (safetensors, config.json)", parents=[with_urls]
+    )
+    export.add_argument("src", help="a checkpoint path or fsspec URL")
+    export.add_argument("out_dir", help="the folder to write (created)")
+    export.add_argument(
+        "--prefix", default="auto", help="the LightningModule attribute holding the model (default: auto; '' for none)"
+    )
+    export.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="cast floating weights (default: as saved)")
+    export.add_argument("--config", default=None, help="a config.json or its folder (default: from hyper_parameters)")
+    export.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors file (default 5GB)")
+    export.add_argument(
+        "--unsafe-load", action="store_true", help="allow unpickling (a PretrainedConfig in hyper_parameters); trusted files only"
+    )
     commands.add_parser("bench", help="benchmark against Lightning's CheckpointIO", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
@@ -451,8 +485,10 @@ def main(argv: list[str] | None = None) -> int:
             return _inspect(args.path, options, console, args.json)
         if args.command == "verify":
             return _verify(args.path, options, console)
+        if args.command == "export-hf":
+            return _export_hf(args, options, console)
         return _convert(args.src, args.dst, args.unsafe, args.max_shard_size, args.to, options, console)
-    except MissingDependencyError as error:  # an fsspec implementation to install: bad usage, not damage
+    except (MissingDependencyError, ExportError) as error:  # a package to install, a config or prefix to name: usage
         err.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
         return 2
     except CheckpointError as error:

@@ -35,13 +35,13 @@ LAYERS: dict[str, int] = {
     "remote": 3,
     "save": 4, "offload": 4,
     "functional": 5,
-    "lightning": 6,
+    "lightning": 6, "export": 6,
     "": 7,  # the package's __init__: the public surface
     "bench": 8,
     "cli": 9,
     "__main__": 10,
 }
-SIDE_BY_SIDE = {frozenset({"save", "offload"})}  # same layer, never importing each other
+SIDE_BY_SIDE = {frozenset({"save", "offload"}), frozenset({"lightning", "export"})}  # same layer, never importing each other
 LIGHTNING_ALLOWED = {"lightning", "cli", "bench"}
 
 
