@@ -420,6 +420,29 @@ def parse_offload_optimizers(produced: Produced) -> Parsed:
     return Parsed(figures, summary)
 
 
+def parse_offload_fsdp2(produced: Produced) -> Parsed:
+    """``--mode offload --fsdp2 --device cuda``: per contender the step, the peak device memory and
+    the optimizer's host bytes; ChunkedAdamW on the offloaded shards against torch's AdamW there
+    (the issue's target: at most 0.8x). A contender that failed gives its error; it fails the step."""
+    rows = {
+        r["contender"]: _compact({
+            "step_s": _r(r.get("median_step_seconds")),
+            "vs_offloaded_adamw": _r(r.get("vs_offloaded_adamw")),
+            "peak_device_mb": _mb(r.get("peak_device_bytes")),
+            "host_optimizer_mb": _mb((r.get("host_optimizer_bytes_per_rank") or [None])[0]),
+            "error": r.get("error"),
+        })
+        for r in _rows(produced.report)
+    }
+    failed = [f"{name}: {row['error']}" for name, row in rows.items() if "error" in row and "torchao" not in name]
+    summary = "; ".join(
+        f"{name}: {row.get('step_s')} s, {row.get('peak_device_mb')} MB peak"
+        + (f" ({row['vs_offloaded_adamw']}x offloaded AdamW)" if "vs_offloaded_adamw" in row else "")
+        for name, row in rows.items() if "error" not in row
+    )  # fmt: skip
+    return Parsed({"contenders": rows}, summary, "; ".join(failed) or None)
+
+
 def parse_offload_save(produced: Produced) -> Parsed:
     """``--mode offload --save --device cuda``: an async save's stall and durable time, what the
     call staged and what came off the device, ``ChunkedAdamW`` against ``AdamW``."""
@@ -514,38 +537,6 @@ def parse_offload_largest(produced: Produced) -> Parsed:
     return Parsed(figures, summary)
 
 
-_ACTIVATIONS_LINE = re.compile(r"(cpu|cuda) ([a-z0-9, ]+?) \(repeat \d+/\d+\): peak activations (\d+) MB")
-
-
-def parse_activations(produced: Produced) -> Parsed:
-    """``--mode activations --device cuda``: peak activation memory and step time per
-    configuration, and the issue's targets; the memory of each configuration from the progress
-    lines when the run was cut short (each is logged as its process ends)."""
-    figures: Figures = {}
-    problems = []
-    if produced.report is None:
-        logged = {f"{device} {name}": int(mb) for device, name, mb in _ACTIVATIONS_LINE.findall(produced.output)}
-        if logged:
-            figures["peak_activation_mb_so_far"] = logged
-            return Parsed(figures, "cut short; peak activations " + ", ".join(f"{k}: {v} MB" for k, v in logged.items()))
-    for result in _rows(produced.report):
-        off = result["summary"].get("off")
-        figures[result["device"]] = {
-            name: {
-                "peak_activation_mb": _mb(row["peak_activation_bytes"]),
-                "step_s": _r(row["step_seconds"]),
-                "x_off": _r(row["step_seconds"] / off["step_seconds"]) if off else None,
-            }
-            for name, row in result["summary"].items()
-        }
-        figures[f"{result['device']}_targets"] = {k: _r(v) for k, v in (result.get("targets") or {}).items()}
-        problems += [f"{name}: {message}"[:200] for name, message in (result.get("errors") or {}).items()]
-    ran = next((figures[r["device"]] for r in _rows(produced.report) if r["device"] == "cuda"), None)
-    ran = ran or next((figures[r["device"]] for r in _rows(produced.report)), {})
-    summary = "; ".join(f"{name}: {row['peak_activation_mb']} MB, {row['x_off']}x" for name, row in ran.items())
-    return Parsed(figures, summary, "; ".join(problems) or None)
-
-
 def parse_fragmentation(produced: Produced) -> Parsed:
     """``--mode fragmentation``: per loop and release policy, the step after a save against the
     median step, allocator retries and peak reserved memory."""
@@ -586,7 +577,7 @@ def build_steps(env: dict[str, Any]) -> list[Step]:
             # from the root: ids as tests/gpu/...; nothing lands there (no cache, its temporary
             # folders under --basetemp, no bytecode; each test runs in its own tmp_path)
             # 42 tests: ~200 s on an H200 (2026-11-27), the sharded ones in processes of their own
-            250, parse_pytest, from_root=True,
+            240, parse_pytest, from_root=True,
         ),
         Step(
             "async-saves",
@@ -597,7 +588,7 @@ def build_steps(env: dict[str, Any]) -> list[Step]:
              "--saves", "3", "--every", "4", "--warmup", "6", "--timeout", "40",
              "--contenders", "torch_io,async_io,dcp_async,sharded_async,plain_copy",
              "--dir", "{work}/ckpts", "--json", "{json}"),
-            100, parse_async,  # 78 s on an H200
+            95, parse_async,  # 78 s on an H200
         ),
         Step(
             "offload-optimizers",
@@ -607,6 +598,15 @@ def build_steps(env: dict[str, Any]) -> list[Step]:
             _bench("--mode", "offload", "--device", "cuda", "--width", "4096", "--layers", "8", "--batch", "4096",
                    "--chunk-size", "64MiB", "--steps", "3", "--repeats", "1"),
             25, parse_offload_optimizers,  # 17 s on an H200
+        ),
+        Step(
+            "offload-fsdp2",
+            "ChunkedAdamW on FSDP2 shards, one GPU (134M parameters, bf16 compute, 32768 tokens per step): shards on"
+            " the GPU with fused AdamW on the GPU and with ChunkedAdamW; CPUOffloadPolicy with torch's fused CPU"
+            " AdamW and with ChunkedAdamW (target: <= 0.8x); torchao if importable: step, peak device memory, host bytes",
+            _bench("--mode", "offload", "--fsdp2", "--device", "cuda", "--ranks", "1", "--width", "4096", "--layers", "8",
+                   "--batch", "32768", "--chunk-size", "64MiB", "--steps", "3", "--repeats", "1"),
+            45, parse_offload_fsdp2,
         ),
         Step(
             "offload-save",
@@ -624,7 +624,7 @@ def build_steps(env: dict[str, Any]) -> list[Step]:
             _bench("--mode", "offload", "--strategy", "--device", "cuda", "--width", "2048", "--layers", "8",
                    "--heads", "16", "--vocab", "8192", "--sequences", "2", "--seq-len", "512", "--budget", "768MB",
                    "--chunk-size", "128MiB", "--prefetch", "2", "--steps", "3", "--repeats", "1"),
-            45, parse_offload_strategy,  # 33 s on an H200
+            40, parse_offload_strategy,  # 33 s on an H200
         ),
         Step(
             "offload-largest",
@@ -633,7 +633,7 @@ def build_steps(env: dict[str, Any]) -> list[Step]:
             _bench("--mode", "offload", "--largest", "--device", "cuda", "--width", "1024", "--heads", "8",
                    "--vocab", "4096", "--sequences", "2", "--seq-len", "512", "--budget", "256MB",
                    "--chunk-size", "32MiB", "--steps", "2", "--max-layers", "16"),
-            45, parse_offload_largest,  # 36 s on an H200
+            40, parse_offload_largest,  # 36 s on an H200
         ),
         Step(
             "fragmentation",
@@ -641,16 +641,6 @@ def build_steps(env: dict[str, Any]) -> list[Step]:
             " fragmenting loop: the step after a save, allocator retries, peak reserved",
             _bench("--mode", "fragmentation", "--loops", "varying", "--steps", "50", "--every", "10"),
             30, parse_fragmentation,  # 23 s on an H200
-        ),
-        Step(
-            "activations",
-            "activation checkpointing on the GPU (8 x 1024 decoder, 4 x 1024 tokens): peak activation memory"
-            " and step time, off / every layer / every 2nd / selective / selective every other matmul",
-            _bench("--mode", "activations", "--device", "cuda", "--layers", "8", "--hidden", "1024", "--heads", "16",
-                   "--seq", "1024", "--batch", "4", "--repeats", "1", "--steps", "3"),
-            # ~14 s per configuration on an H200 (a fresh process each): the first ones, off and every
-            # layer, fit; the rest is read from the progress lines of a run cut short
-            25, parse_activations,
         ),
     ]
 

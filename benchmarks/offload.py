@@ -104,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-layers", type=int, default=1024, help="--largest: the deepest decoder tried")
     parser.add_argument("--max-host-gb", type=float, default=None, help=f"--largest: host memory a size may need (estimated at {HOST_BYTES_PER_PARAM} B/param); default {HOST_MARGIN:.0%}% of the available")
     parser.add_argument("--save", action="store_true", help="rows of an async checkpoint save with ChunkedAdamW vs AdamW")
-    parser.add_argument("--fsdp2", action="store_true", help="ChunkedAdamW on FSDP2 shards vs fused AdamW, --ranks CPU ranks (--width, --layers, --batch)")
-    parser.add_argument("--ranks", type=int, default=2, help="--fsdp2: CPU ranks (gloo)")
+    parser.add_argument("--fsdp2", action="store_true", help="ChunkedAdamW on FSDP2 shards vs fused AdamW (and CPUOffloadPolicy, torchao on CUDA): --ranks CPU ranks or one GPU (--width, --layers, --batch)")
+    parser.add_argument("--ranks", type=int, default=2, help="--fsdp2: CPU ranks (gloo); 1 with --device cuda")
     add_json_argument(parser)
     return parser
 
@@ -851,8 +851,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.fsdp2:
         from benchmarks import offload_fsdp2
 
-        if args.device != "cpu" or args.ranks < 1:
-            print("bench --mode offload --fsdp2 runs on CPU ranks (`--ranks` >= 1); its GPU rows are in make gpu-check.", file=sys.stderr)
+        if args.ranks < 1 or (args.device == "cuda" and args.ranks != 1):
+            print("bench --mode offload --fsdp2: `--ranks` must be at least 1 (CPU ranks), and 1 with --device cuda (one GPU).", file=sys.stderr)
             return 2
         rows, render = offload_fsdp2.run(args), offload_fsdp2.render_table
     elif args.largest:

@@ -1,13 +1,19 @@
 """``python -m benchmarks --mode offload --fsdp2``: ``ChunkedAdamW`` on FSDP2 shards against
-``torch.optim.AdamW(fused=True)`` under the same FSDP2 run, on ``--ranks`` CPU ranks (gloo).
+``torch.optim.AdamW(fused=True)`` under the same FSDP2 run, on ``--ranks`` CPU ranks (gloo), or
+on one GPU (``--device cuda``, one rank).
 
 Each rank trains a stack of ``--layers`` linear layers of ``--width`` (``fully_shard`` per layer
-and on the root) for ``--steps`` timed steps (forward, backward, gradient clipping, ``step()``,
-``zero_grad()``) after one untimed step, ``--repeats`` times per contender, in one process group.
-Reported per contender: the median step (rank 0's; every rank steps in lockstep), the ratio to
-fused AdamW, and the optimizer's host bytes per rank (ChunkedAdamW: its arena; AdamW: its state
-tensors). On the CPU FSDP2's ``CPUOffloadPolicy`` changes nothing (the shards already are host
-memory), so it has no row here; its GPU rows are in the prepared GPU check.
+and on the root) on ``--batch`` rows (tokens) for ``--steps`` timed steps (forward, backward,
+gradient clipping, ``step()``, ``zero_grad()``) after one untimed step, ``--repeats`` times per
+contender, in one process group. Reported per contender: the median step (rank 0's; every rank
+steps in lockstep), the ratio to the first row, the optimizer's host bytes per rank
+(ChunkedAdamW: its arena; torch's: its state tensors) and, on CUDA, the allocator's peak.
+
+On the CPU FSDP2's ``CPUOffloadPolicy`` changes nothing (the shards already are host memory):
+two rows. On CUDA (bf16 compute, ``MixedPrecisionPolicy``) four: the shards on the GPU with
+fused AdamW on the GPU and with ``ChunkedAdamW``; the shards on the host (``CPUOffloadPolicy``)
+with torch's fused CPU AdamW, FSDP2's own offloaded step, and with ``ChunkedAdamW``; and torchao's
+``CPUOffloadOptimizer`` (shards on the GPU) where torchao is importable.
 """
 
 from __future__ import annotations
@@ -18,58 +24,109 @@ import statistics
 import time
 from typing import Any
 
-CONTENDERS = ("FSDP2 + AdamW fused", "FSDP2 + ChunkedAdamW")
+# name -> (CPUOffloadPolicy, optimizer)
+CONTENDERS = {
+    "FSDP2 + AdamW fused": (False, "adamw"),
+    "FSDP2 + ChunkedAdamW": (False, "chunked"),
+    "FSDP2 CPUOffloadPolicy + AdamW fused (CPU)": (True, "adamw"),
+    "FSDP2 CPUOffloadPolicy + ChunkedAdamW": (True, "chunked"),
+    "FSDP2 + torchao CPUOffloadOptimizer": (False, "torchao"),
+}
+CPU_CONTENDERS = ("FSDP2 + AdamW fused", "FSDP2 + ChunkedAdamW")
+
+
+def contenders(device: str) -> list[str]:
+    """The rows of ``device``: torchao's only where it is importable."""
+    if device == "cpu":
+        return list(CPU_CONTENDERS)
+    import importlib.util
+
+    return [n for n, (_, kind) in CONTENDERS.items() if kind != "torchao" or importlib.util.find_spec("torchao")]
 
 
 def _train(rank: int, world: int, port: int, args: Any, queue: Any) -> None:
+    import gc
+
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     import lightning_ckpt as lc
 
+    cuda = args.device == "cuda"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
+    dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh(args.device, (world,))
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows = []
-    for name in CONTENDERS:
-        runs, host = [], 0
-        for _ in range(args.repeats):
-            torch.manual_seed(0)
-            net = torch.nn.Sequential(*(torch.nn.Linear(args.width, args.width) for _ in range(args.layers)))
-            for layer in net:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(net, mesh=mesh)
-            if name.endswith("ChunkedAdamW"):
-                opt = lc.ChunkedAdamW(net.parameters(), lr=1e-4, chunk_size=args.chunk_size)
-            else:
-                opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
-            x = torch.randn(args.batch, args.width)
+    for name in contenders(args.device):
+        offload, kind = CONTENDERS[name]
+        runs, peaks, host, local = [], [], 0, 0
+        try:
+            for _ in range(args.repeats):
+                torch.manual_seed(0)
+                net = torch.nn.Sequential(*(torch.nn.Linear(args.width, args.width) for _ in range(args.layers))).to(args.device)
+                policy = {
+                    "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
+                    "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16) if cuda else MixedPrecisionPolicy(),
+                }
+                for layer in net:
+                    fully_shard(layer, mesh=mesh, **policy)
+                fully_shard(net, mesh=mesh, **policy)
+                if kind == "chunked":
+                    opt = lc.ChunkedAdamW(net.parameters(), lr=1e-4, chunk_size=args.chunk_size)
+                elif kind == "torchao":
+                    from torchao.optim import CPUOffloadOptimizer
 
-            def step() -> None:
-                net(x).pow(2).mean().backward()
-                torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad()
+                    opt = CPUOffloadOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-4, fused=True)
+                else:
+                    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
+                x = torch.randn(args.batch, args.width, device=args.device)
 
-            step()
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(args.steps):
+                def step() -> None:
+                    net(x).float().pow(2).mean().backward()
+                    if kind != "torchao":  # it has no gradient clipping across its host copies
+                        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+                    opt.step()
+                    opt.zero_grad()
+
                 step()
-            if hasattr(opt, "wait"):
-                opt.wait()
-            runs.append((time.perf_counter() - start) / args.steps)
-            if hasattr(opt, "host_bytes"):
-                host = opt.host_bytes
-            else:
-                host = sum(t.to_local().numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
-            local = sum(p.to_local().numel() for p in net.parameters())
-            del net, opt
+                sync()
+                dist.barrier()
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    step()
+                if hasattr(opt, "wait"):
+                    opt.wait()
+                sync()
+                runs.append((time.perf_counter() - start) / args.steps)
+                if cuda:
+                    peaks.append(torch.cuda.max_memory_allocated())
+                if hasattr(opt, "host_bytes"):
+                    host = opt.host_bytes
+                elif kind == "adamw":
+                    host = sum(
+                        t.to_local().numel() * t.element_size()
+                        for s in opt.state.values() for k, t in s.items()
+                        if k != "step" and t.to_local().device.type == "cpu"
+                    )  # fmt: skip
+                local = sum(p.to_local().numel() for p in net.parameters())
+                net = opt = step = None  # the optimizer's arena, the model's device memory
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
+        except Exception as exc:  # a contender that cannot run here (torchao on DTensors): its row says why
+            rows.append({"contender": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"})
+            net = opt = step = None
+            gc.collect()
+            continue
         rows.append({"contender": name, "runs_seconds": runs, "median_step_seconds": statistics.median(runs),
-                     "host_optimizer_bytes": host, "local_params": local})  # fmt: skip
+                     "host_optimizer_bytes": host, "local_params": local, "tokens_per_step": args.batch,
+                     **({"peak_device_bytes": statistics.median(peaks)} if peaks else {})})  # fmt: skip
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, rows)
     if rank == 0:
@@ -89,15 +146,22 @@ def run(args: Any) -> list[dict[str, Any]]:
     mp.start_processes(_train, args=(args.ranks, port, args, queue), nprocs=args.ranks, start_method="spawn")
     per_rank = queue.get()
     rows = []
-    for i, name in enumerate(CONTENDERS):
+    for i, name in enumerate(contenders(args.device)):
         row = dict(per_rank[0][i])
-        row["host_optimizer_bytes_per_rank"] = [r[i]["host_optimizer_bytes"] for r in per_rank]
-        row["local_params_per_rank"] = [r[i]["local_params"] for r in per_rank]
         row["ranks"] = args.ranks
+        if "error" not in row:
+            row["host_optimizer_bytes_per_rank"] = [r[i]["host_optimizer_bytes"] for r in per_rank]
+            row["local_params_per_rank"] = [r[i]["local_params"] for r in per_rank]
         rows.append(row)
-    base = rows[0]["median_step_seconds"]
-    for row in rows:
-        row["vs_adamw"] = row["median_step_seconds"] / base
+    by_name = {row["contender"]: row for row in rows if "error" not in row}
+    first = rows[0].get("median_step_seconds")
+    for row in by_name.values():
+        row["vs_adamw"] = row["median_step_seconds"] / first if first else None
+    # the issue's target: ChunkedAdamW against torch's AdamW, both on the offloaded shards
+    offloaded = by_name.get("FSDP2 CPUOffloadPolicy + AdamW fused (CPU)")
+    if offloaded and "FSDP2 CPUOffloadPolicy + ChunkedAdamW" in by_name:
+        row = by_name["FSDP2 CPUOffloadPolicy + ChunkedAdamW"]
+        row["vs_offloaded_adamw"] = row["median_step_seconds"] / offloaded["median_step_seconds"]
     return rows
 
 
@@ -106,12 +170,20 @@ def render_table(rows: list[dict[str, Any]]) -> Any:
 
     from lightning_ckpt.bench.report import fmt
 
-    table = Table(title=f"FSDP2 training step on {rows[0]['ranks']} CPU ranks (medians)")
-    for column in ("contender", "step s", "x AdamW fused", "optimizer host MB per rank", "local Mparams per rank"):
+    where = "one GPU" if any("peak_device_bytes" in row for row in rows) else f"{rows[0]['ranks']} CPU ranks"
+    tokens = next((row["tokens_per_step"] for row in rows if "tokens_per_step" in row), "-")
+    table = Table(title=f"FSDP2 training step on {where}, {tokens} tokens (medians)")
+    columns = ("contender", "step s", "x first row", "x offloaded AdamW", "peak device MB", "optimizer host MB per rank", "local Mparams per rank")
+    for column in columns:
         table.add_column(column, justify="left" if column == "contender" else "right")
     for row in rows:
+        if "error" in row:
+            table.add_row(row["contender"], row["error"], *("-" * (len(columns) - 2)))
+            continue
+        peak = row.get("peak_device_bytes")
         table.add_row(
-            row["contender"], fmt(row["median_step_seconds"], 4), fmt(row["vs_adamw"], 3),
+            row["contender"], fmt(row["median_step_seconds"], 4), fmt(row["vs_adamw"], 3), fmt(row.get("vs_offloaded_adamw"), 3),
+            fmt(peak / 2**20 if peak else None, 1),
             " / ".join(fmt(b / 2**20, 2) for b in row["host_optimizer_bytes_per_rank"]),
             " / ".join(fmt(n / 1e6, 3) for n in row["local_params_per_rank"]),
         )  # fmt: skip

@@ -190,7 +190,7 @@ def test_a_tier_that_only_skipped_is_skipped_not_passed(tmp_path: Path) -> None:
         (gpu_check.parse_offload_save, "bench-offload-save-results.json", ("contenders", "ChunkedAdamW", "stall_s")),
         (gpu_check.parse_offload_strategy, "bench-offload-strategy-results.json", ("contenders", "ChunkedOffloadStrategy", "peak_vs_budget")),
         (gpu_check.parse_offload_largest, "bench-offload-largest-results.json", ("contenders", "ChunkedOffloadStrategy", "largest_layers")),
-        (gpu_check.parse_activations, "bench-activations-results.json", ("cpu", "every layer", "peak_activation_mb")),
+        (gpu_check.parse_offload_fsdp2, "bench-offload-fsdp2-results.json", ("contenders", "FSDP2 + ChunkedAdamW", "step_s")),
         (gpu_check.parse_fragmentation, "bench-fragmentation-results.json", ("configurations", "varying / never / expandable", "alloc_retries_per_100_steps")),
     ],
 )
@@ -206,8 +206,8 @@ def test_the_figures_are_read_from_the_benchmarks_recorded_reports(parse, report
 
 
 def test_a_benchmark_cut_short_still_gives_the_figures_of_its_progress_lines() -> None:
-    """Lines as ``--mode offload --largest`` and ``--mode activations`` log them (copied from CPU
-    runs), with no report: the search or the run was stopped at its timeout."""
+    """Lines as ``--mode offload --largest`` logs them (copied from a CPU run), with no report: the
+    search was stopped at its timeout."""
     largest = (
         "09:39:58 strategy 1 layers (0.26M params): trains: 0.024 s/step\n"
         "09:40:00 strategy 2 layers (0.46M params): trains: 0.029 s/step\n"
@@ -219,12 +219,3 @@ def test_a_benchmark_cut_short_still_gives_the_figures_of_its_progress_lines() -
     assert parsed.figures["largest_so_far"] == {"strategy": 4, "resident": 1}
     assert parsed.figures["probes"]["resident"][1] == [2, 0.46, "peak device memory 63.033 MiB over the budget (61.035 MiB)"]
 
-    activations = (
-        "09:46:51 cuda off (repeat 1/1): peak activations 4590 MB\n"
-        "09:47:02 cuda every layer (repeat 1/1): peak activations 650 MB\n"
-        "09:47:20 cuda selective, every other matmul (repeat 1/1): peak activations 2733 MB\n"
-    )
-    parsed = gpu_check.parse_activations(gpu_check.Produced(activations, None, ROOT))
-    assert parsed.figures["peak_activation_mb_so_far"] == {
-        "cuda off": 4590, "cuda every layer": 650, "cuda selective, every other matmul": 2733,
-    }
