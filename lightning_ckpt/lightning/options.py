@@ -40,14 +40,14 @@ class SaveOptions:
     on_error: Literal["raise", "warn"] = "raise"
     part_timeout: float = DEFAULT_PART_TIMEOUT
     spread_writes: Optional[bool] = None
-    incremental: bool = True
+    incremental: bool | Literal["link", "copy"] = True
 
     def __post_init__(self) -> None:
         one_of("verify_on_load", self.verify_on_load, VERIFY_MODES)
         one_of("direct_io", self.direct_io, (None, True, False))
         one_of("on_error", self.on_error, ("raise", "warn"))
         one_of("spread_writes", self.spread_writes, (None, True, False))
-        one_of("incremental", self.incremental, (True, False))
+        one_of("incremental", self.incremental, (True, False, "link", "copy"))
         if isinstance(self.part_timeout, bool) or not isinstance(self.part_timeout, (int, float)) or not self.part_timeout > 0:
             raise ValueError(f"`part_timeout={self.part_timeout!r}` must be a positive number of seconds.")
 

@@ -180,7 +180,11 @@ class ShardedCheckpointIO(CheckpointIO):
             knows them (``track_frozen``; ``ShardedModelCheckpoint`` tells it). On by default;
             pass ``False`` if your code changes saved tensors in place behind PyTorch's back
             (through ``.data``, ``.numpy()``, DLPack or a ``torch.distributed`` collective such as
-            ``dist.broadcast(t)``), which no version counter sees.
+            ``dist.broadcast(t)``), which no version counter sees. ``"link"`` is ``True``;
+            ``"copy"`` copies each reused file instead of linking it (a reflink where the
+            filesystem has them, else ``copy_file_range``: in the kernel, neither staged nor
+            hashed again), so that every checkpoint has bytes of its own: one damaged on disk
+            does not damage the others (see docs/incremental.md for which to pick).
 
     Call order and ranks: Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0
     only, ``load_checkpoint`` and ``teardown`` on every rank; none of them runs a collective.
@@ -207,7 +211,7 @@ class ShardedCheckpointIO(CheckpointIO):
         upload_concurrency: int = remote.DEFAULT_CONCURRENCY,
         compression: Optional[str | dict[str, str]] = None,
         compression_level: int = 3,
-        incremental: bool = True,
+        incremental: bool | Literal["link", "copy"] = True,
     ) -> None:
         super().__init__()
         self.options = SaveOptions(
@@ -244,7 +248,7 @@ class ShardedCheckpointIO(CheckpointIO):
         self.when_busy = async_options.when_busy
         self.on_error = self.options.on_error
         self.overlap_copies = async_options.overlap_copies
-        self.incremental = self.options.incremental
+        self.incremental = self.options.incremental is not False
         self.part_timeout = self.options.part_timeout
         self.spread_writes = self.options.spread_writes
         self._frozen_source: Optional[Callable[[], Optional[frozenset[str]]]] = None  # see ``track_frozen``
@@ -265,7 +269,7 @@ class ShardedCheckpointIO(CheckpointIO):
         self._outcomes = Outcomes(self.on_error)
         self._writer = ShardWriter(options.buffer_bytes, options.direct_io)
         # One tracker per plugin and process: a new one (a new run, a resumed one) reuses nothing.
-        self._tracker = Tracker() if self.incremental else None
+        self._tracker = Tracker(copies=self.options.incremental == "copy") if self.incremental else None
         if self.incremental:
             track_optimizer_steps()
         self._sync = SyncSaver(self._writer, self.remote, self._outcomes, self._tracker)

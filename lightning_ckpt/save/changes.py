@@ -142,6 +142,7 @@ class Tracker:
     """
 
     _records: dict[str, _Record] = field(default_factory=dict)
+    copies: bool = False  # reused files are copied, not linked (``Reused.copy``)
 
     def begin(self, plan: Plan, target: str) -> tuple[dict[str, Reused], Snapshot]:
         """The snapshot of ``plan`` now, and ``reuse`` for a save of it to ``target`` (a local
@@ -167,13 +168,13 @@ class Tracker:
                 continue  # a changed blob, or one that cannot be tracked: write the file
             remote = None if record.url is None else (record.url, stored.filename)
             if record.url == record.target:  # on the server only: copied there when published
-                reuse[filename] = Reused((), stored.size, stored.digest, None, remote)
+                reuse[filename] = Reused((), stored.size, stored.digest, None, remote, self.copies)
                 continue
             folders = (record.target,) + ((record.part_folder,) if record.part_folder else ())
             sources = tuple(os.path.join(folder, stored.filename) for folder in folders)
             if stored.id is None or all(file_id(source) != stored.id for source in sources):
                 continue  # removed or replaced since (by someone else): write it
-            reuse[filename] = Reused(sources, stored.size, stored.digest, stored.id, remote)
+            reuse[filename] = Reused(sources, stored.size, stored.digest, stored.id, remote, self.copies)
         return reuse
 
     def committed(

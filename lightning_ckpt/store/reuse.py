@@ -1,5 +1,6 @@
 """Reusing a shard file of an earlier checkpoint in a new one (incremental saves): hard-linked
-into the new checkpoint's temporary directory, or copied where the filesystem refuses links, with
+into the new checkpoint's temporary directory, or copied (asked for, or where the filesystem
+refuses links: a reflink where it has them, else ``copy_file_range``), with
 its size and digest carried over from the earlier checkpoint's manifest. Every checkpoint stays a
 complete directory of ordinary files: removing any other one never breaks it.
 
@@ -48,6 +49,7 @@ class Reused:
     digest: str
     id: FileId | None
     remote: tuple[str, str] | None = None  # (earlier checkpoint's URL, file name there)
+    copy: bool = False  # copied, not linked: each checkpoint keeps bytes of its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +99,9 @@ def place_reused(reused: Reused, path: str, manifests: dict[str, fmt.Manifest | 
         listed = None if manifest is None else manifest.files.get(name)
         if manifest is not None and (listed is None or (listed.size, listed.digest) != (record.size, record.digest)):
             raise ReuseUnavailable(errno.ESTALE, f"cannot reuse {source!r}: its manifest records another file")
+        if reused.copy:
+            _copy(source, path)
+            return record
         try:
             os.link(source, path)
         except FileNotFoundError:
@@ -137,10 +142,12 @@ _NO_LINK = {errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EML
 
 
 def _copy(source: str, path: str) -> None:
-    """Copy ``source`` to ``path`` (``copy_file_range``: in the kernel, or on the server) and fsync."""
+    """Copy ``source`` to ``path`` (a reflink where the filesystem has them, else
+    ``copy_file_range``: in the kernel, or on the server) and fsync."""
     try:
         with open(source, "rb") as src, open(path, "xb") as dst:
-            _copy_range(src, dst)
+            if not _reflink(src, dst):
+                _copy_range(src, dst)
             dst.flush()
             os.fsync(dst.fileno())
     except OSError as err:
@@ -149,6 +156,21 @@ def _copy(source: str, path: str) -> None:
         except FileNotFoundError:
             pass
         raise ReuseUnavailable(err.errno or errno.EIO, f"cannot copy {source!r}: {err}") from err
+
+
+FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
+
+
+def _reflink(src: Any, dst: Any) -> bool:
+    """Share ``src``'s extents with the empty ``dst`` (btrfs, xfs, bcachefs): copy-on-write, no
+    bytes moved. ``False`` where the filesystem or the platform has no reflinks."""
+    try:
+        import fcntl
+
+        fcntl.ioctl(dst.fileno(), FICLONE, src.fileno())
+    except (ImportError, OSError):
+        return False
+    return True
 
 
 def _copy_range(src: Any, dst: Any) -> None:

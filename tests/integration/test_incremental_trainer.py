@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import disk_usage, each_alone
+from helpers import disk_usage, each_alone, flip_byte
 from lightning.pytorch import Callback, Trainer, seed_everything
 from models import FrozenBackbone, trainer_kwargs
 
@@ -78,6 +78,32 @@ def test_frozen_backbone_is_written_once_and_every_checkpoint_stands_alone(tmp_p
     assert all(stable <= r["reused_bytes"] < stable + 0.01 * full for r in records[1:]), records
     assert all(r["written_bytes"] == r["nbytes"] - r["reused_bytes"] for r in records)
     assert_each_loads_alone(folder, capture.states)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_copy_mode_gives_every_checkpoint_bytes_of_its_own(tmp_path, async_save):
+    """``incremental="copy"``: the unchanged backbone is neither staged nor hashed again, but copied
+    (reflink or in-kernel copy), so one checkpoint's damaged file leaves the others intact."""
+    io = lc.ShardedCheckpointIO(async_save=async_save, incremental="copy")
+    capture = _fit(tmp_path / "ckpts", io, steps=3)
+    folder = tmp_path / "ckpts"
+    names = sorted(os.listdir(folder), key=lambda n: int(n.split("=")[1].split(".")[0]))
+    stats = [os.stat(folder / n / STABLE) for n in names]
+    assert len({s.st_ino for s in stats}) == 3 and all(s.st_nlink == 1 for s in stats)
+    stable = stats[0].st_size
+    records = capture.checkpoint.save_records
+    assert all(stable <= r["reused_bytes"] for r in records[1:]), records  # reused: not staged, hashed or written
+    assert_each_loads_alone(folder, capture.states)
+    flip_byte(folder / names[1] / STABLE, 100)
+    with pytest.raises(lc.CorruptCheckpointError):
+        lc.verify_checkpoint(folder / names[1])
+    for name in (names[0], names[2]):
+        lc.verify_checkpoint(folder / name)
+
+
+def test_an_unknown_incremental_mode_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="incremental"):
+        lc.ShardedCheckpointIO(incremental="reflink")
 
 
 class Meddle(Callback):
