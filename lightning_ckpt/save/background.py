@@ -67,6 +67,7 @@ class AsyncSaver:
         self.action_errors: list[Exception] = []
         self.copy_waits: OrderedDict[str, staging.Copies] = OrderedDict()  # path -> its latest save's copies
         self.staged: tuple[tuple[Any, ...], dict[str, tuple[int, int]]] | None = None  # fingerprint, images
+        self.submitted: tuple[tuple[Any, ...] | None, int | None] = (None, None)  # the staging save's fingerprint, job id
         self.refuse_next_removal = False
         self.skipped_saves = 0
         self.overlap = False  # inside ``ShardedCheckpointIO.overlapping()`` with ``overlap_copies``
@@ -93,7 +94,13 @@ class AsyncSaver:
                 # Every shard not reused must be staged (the same decision against the same
                 # checkpoint, unless that one's files went away meanwhile: then stage again).
                 if all(s.filename in images or s.filename in reuse for s in prepared.plan.shards):
-                    self.then(lambda: self.submit(prepared, path, images, started, reuse=reuse, ticket=ticket))
+                    # Incremental: its files are those of the save that staged these images, in
+                    # flight or not: the writer takes them from that checkpoint once it committed.
+                    def submit_same() -> None:
+                        same_as = self.submitted[1] if self.tracker is not None and self.submitted[0] == fingerprint else None
+                        self.submit(prepared, path, images, started, reuse=reuse, ticket=ticket, same_as=same_as)
+
+                    self.then(submit_same)
                     return time.perf_counter() - start
             self.drain(block=True)  # the pool is about to be staged again
             self.raise_action_errors()
@@ -132,14 +139,22 @@ class AsyncSaver:
         chunked: bool = False,
         reuse: dict[str, Reused] | None = None,
         ticket: Ticket | None = None,
+        fingerprint: tuple[Any, ...] | None = None,
+        same_as: int | None = None,
     ) -> int:
         """Send the job (without tensor data) and the staged images' offsets to the writer process;
         the destination is resolved here, so a skipped or failed staging leaves no spool behind.
-        ``reuse``/``ticket``: see ``begin_incremental``."""
+        ``reuse``/``ticket``: see ``begin_incremental``; ``fingerprint``: of the tensors it
+        staged; ``same_as``: see ``protocol.SaveRequest``."""
         pool = (self.pool.fd, self.pool.generation)
         destination = Destination.resolve(path, self.options)
         job = prepared.job(destination, with_data=False, reuse=reuse)
-        job_id = self.worker.submit_save(path, job, images, pool, submitted=started, chunked=chunked)
+        copy_same = self.tracker is not None and self.tracker.copies
+        job_id = self.worker.submit_save(
+            path, job, images, pool, submitted=started, chunked=chunked, same_as=same_as, copy_same=copy_same
+        )
+        if fingerprint is not None:
+            self.submitted = (fingerprint, job_id)
         if ticket is not None:
             self.tickets[job_id] = ticket
         return job_id
@@ -163,7 +178,7 @@ class AsyncSaver:
         self.staged = None if fingerprint is None else (fingerprint, image_layout.images)
 
         def submit() -> None:
-            self.submit(prepared, path, image_layout.images, started, reuse=reuse, ticket=ticket)
+            self.submit(prepared, path, image_layout.images, started, reuse=reuse, ticket=ticket, fingerprint=fingerprint)
 
         if copies is None:
             submit()

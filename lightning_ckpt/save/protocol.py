@@ -43,6 +43,12 @@ class SaveRequest:
     job: SaveJob
     images: ImageOffsets
     chunked: bool = False  # the pool holds part of the state: report each shard written
+    # Its shard files hold the very bytes of save ``same_as``'s files of the same names (a second
+    # save of the same staged tensors, e.g. ``last.ckpt`` after a top-k file in one step): taken
+    # from that checkpoint if it committed (``reuse``: linked, or copied), else written from the
+    # images, staged for both.
+    same_as: int | None = None
+    copy_same: bool = False  # those files copied, not linked (``incremental="copy"``)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

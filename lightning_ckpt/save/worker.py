@@ -49,6 +49,7 @@ from lightning_ckpt.save.protocol import (
     Written,
 )
 from lightning_ckpt.store.commit import WriteResult
+from lightning_ckpt.store.reuse import Reused
 from lightning_ckpt.store.shards import ShardWriter
 
 _HEADER = struct.Struct("<Q")
@@ -143,18 +144,22 @@ class WriterProcess:
             self._start()
 
     def submit_save(
-        self, path: str, job: SaveJob, images: ImageOffsets, pool: tuple[int, int], submitted: float, chunked: bool = False
+        self, path: str, job: SaveJob, images: ImageOffsets, pool: tuple[int, int], submitted: float,
+        chunked: bool = False, same_as: int | None = None, copy_same: bool = False,
     ) -> int:
         """Queue a save of ``job`` (its shard images at ``images`` in the staging pool, ``pool``:
         its (fd, generation)); returns its id. ``submitted``: the wall-clock time the save was
-        asked for, from which its result's ``seconds`` are measured."""
+        asked for, from which its result's ``seconds`` are measured; ``same_as``, ``copy_same``:
+        see ``SaveRequest``."""
         fds = None
         if pool[1] != self._pool_generation:
             fds = [pool[0]]
             self._pool_generation = pool[1]
         job_id = self._queue(_Job("save", path, submitted))
         self.last_save_id = job_id
-        self._send_request(SaveRequest(id=job_id, path=path, job=job, images=images, chunked=chunked), fds)
+        self._send_request(SaveRequest(
+            id=job_id, path=path, job=job, images=images, chunked=chunked, same_as=same_as, copy_same=copy_same,
+        ), fds)
         return job_id
 
     def submit_remove(self, path: str, after: int | None) -> int:
@@ -394,6 +399,7 @@ def _serve(sock: socket.socket) -> None:
     pool: mmap.mmap | None = None
     backlog: deque[tuple[Request, list[int]]] = deque()
     failed: set[int] = set()  # save jobs that failed: removals waiting on them are skipped
+    committed: dict[int, WriteResult] = {}  # the latest saves' results, for ``SaveRequest.same_as``
     while True:
         try:
             message, fds = backlog.popleft() if backlog else _recv(sock)
@@ -417,8 +423,14 @@ def _serve(sock: socket.socket) -> None:
             if isinstance(message, SaveRequest):
                 assert writer is not None and pool is not None
                 started = time.perf_counter()
+                job = message.job
+                if message.same_as is not None:
+                    job = with_files_of(job, committed.get(message.same_as), message.copy_same)
                 # Committed locally first, then published (a URL).
-                result = message.job.run(writer, images=_StagedImages(sock, pool, message, backlog))
+                result = job.run(writer, images=_StagedImages(sock, pool, message, backlog))
+                committed[message.id] = result
+                for old in sorted(committed)[:-_COMMITTED_KEPT]:
+                    del committed[old]
                 written = Written(result=result, write_seconds=time.perf_counter() - started, durable_at=time.time())
                 reply = replace(reply, written=written)
             elif isinstance(message, RemoveRequest):
@@ -439,6 +451,25 @@ def _serve(sock: socket.socket) -> None:
             if isinstance(message, SaveRequest):
                 failed.add(message.id)
         _send(sock, reply)
+
+
+_COMMITTED_KEPT = 4
+
+
+def with_files_of(job: SaveJob, earlier: WriteResult | None, copy: bool) -> SaveJob:
+    """``job`` taking each shard file it has in common (by name) with the committed save
+    ``earlier`` from there (``SaveRequest.same_as``): linked (or copied, as its other reused files
+    are), or written from its staged image if that file has gone meanwhile. Local single-process
+    saves only; ``job`` as it is when ``earlier`` failed or is not known."""
+    if earlier is None or job.destination.is_remote or job.part is not None or not earlier.stored:
+        return job
+    names = {shard.filename for shard in job.plan.shards}
+    taken = {
+        s.filename: Reused((os.path.join(earlier.path, s.filename),), s.size, s.digest, s.id, copy=copy, staged=True)
+        for s in earlier.stored
+        if s.filename in names and s.id is not None
+    }
+    return replace(job, reuse={**taken, **(job.reuse or {})})
 
 
 def _lower_priority() -> None:

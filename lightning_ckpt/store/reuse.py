@@ -50,6 +50,7 @@ class Reused:
     id: FileId | None
     remote: tuple[str, str] | None = None  # (earlier checkpoint's URL, file name there)
     copy: bool = False  # copied, not linked: each checkpoint keeps bytes of its own
+    staged: bool = False  # its bytes were staged too: written from them if the earlier file is gone
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +130,7 @@ def place_all(reuse: Mapping[str, Reused], folder: str, staged: bool) -> tuple[d
         try:
             files[filename] = place_reused(source, os.path.join(folder, filename), manifests)
         except ReuseUnavailable as err:
-            if staged:
+            if staged and not source.staged:
                 raise ReuseUnavailable(
                     err.errno, f"{err.strerror}; it was not staged, as it held only unchanged tensors. The next"
                     " save writes every file again"

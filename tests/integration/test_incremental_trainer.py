@@ -101,6 +101,25 @@ def test_copy_mode_gives_every_checkpoint_bytes_of_its_own(tmp_path, async_save)
         lc.verify_checkpoint(folder / name)
 
 
+@pytest.mark.parametrize("mode", ["link", "copy"])
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_last_in_the_same_step_as_a_top_k_file_reuses_all_of_it(tmp_path, async_save, mode):
+    """``last.ckpt`` right after a top-k checkpoint of the same step holds the same shard files:
+    taken from it (linked, or copied), in sync mode and in async mode, where that checkpoint is
+    still being written when ``last.ckpt`` is saved (the writer takes them once it committed)."""
+    io = lc.ShardedCheckpointIO(async_save=async_save, incremental=mode)
+    capture = _fit(tmp_path / "ckpts", io, steps=4, save_last=True)
+    folder = tmp_path / "ckpts"
+    shards = sorted(n for n in os.listdir(folder / "last.ckpt") if n.endswith(".safetensors"))
+    same = {n: os.path.samefile(folder / "last.ckpt" / n, folder / "step=4.ckpt" / n) for n in shards}
+    assert same == dict.fromkeys(shards, mode == "link")
+    records = {r["path"].rsplit(os.sep, 1)[-1]: r for r in capture.checkpoint.save_records}
+    last = records["last.ckpt"]
+    assert last["written_bytes"] == last["nbytes"] - last["reused_bytes"]
+    assert last["reused_bytes"] == sum(os.path.getsize(folder / "last.ckpt" / n) for n in shards)
+    assert_each_loads_alone(folder, capture.states)
+
+
 def test_an_unknown_incremental_mode_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match="incremental"):
         lc.ShardedCheckpointIO(incremental="reflink")

@@ -21,6 +21,7 @@ from lightning_ckpt.store.reuse import (
     Reused,
     ReuseUnavailable,
     file_id,
+    place_all,
     place_reused,
     stored_files,
 )
@@ -199,6 +200,27 @@ def test_place_reused_links_and_carries_the_digest_and_refuses_a_changed_file(tm
     os.remove(moved)
     with pytest.raises(ReuseUnavailable, match="gone or changed"):
         place_reused(found, str(tmp_path / "fourth.safetensors"), {})
+
+
+def test_a_staged_file_whose_earlier_copy_is_gone_is_left_to_be_written_and_copies_are_copies(tmp_path):
+    """``place_all`` of an async save: a file reused without being staged must be there (else the
+    save fails); one staged too (``SaveRequest.same_as``) is left out, to be written from its image.
+    ``copy=True``: a file of its own, same bytes and digest."""
+    lc.save_checkpoint({"state_dict": {"w": torch.randn(64)}}, tmp_path / "a.ckpt")
+    name = "model-00001-of-00001.safetensors"
+    source = str(tmp_path / "a.ckpt" / name)
+    record = read_manifest(tmp_path / "a.ckpt").files[name]
+    copied = Reused((source,), record.size, record.digest, file_id(source), copy=True)
+    (tmp_path / "new").mkdir()
+    files, reused = place_all({name: copied}, str(tmp_path / "new"), staged=True)
+    assert reused == {name} and files[name] == fmt.FileRecord(record.size, record.digest)
+    assert os.stat(tmp_path / "new" / name).st_ino != os.stat(source).st_ino
+    assert (tmp_path / "new" / name).read_bytes() == open(source, "rb").read()
+    os.remove(source)
+    gone_staged = Reused((source,), record.size, record.digest, copied.id, staged=True)
+    assert place_all({name: gone_staged}, str(tmp_path / "later"), staged=True) == ({}, set())
+    with pytest.raises(ReuseUnavailable, match="it was not staged"):
+        place_all({name: Reused((source,), record.size, record.digest, copied.id)}, str(tmp_path / "later"), staged=True)
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs a second filesystem (/dev/shm)")
