@@ -409,6 +409,17 @@ def encode_checkpoint(
 # Which tensors rarely change (``(component, key path) -> bool``): they get shards of their own.
 Stable = Callable[[str, tuple[Any, ...]], bool]
 STABLE_TAG = "stable"  # in the file names of those shards: ``model-stable-00001-of-00002.safetensors``
+# Stable shards are cut smaller than the others, so that an in-place change of one frozen weight
+# rewrites about what changed: each holds 1/STABLE_FILES of the component's stable bytes, at least
+# STABLE_MIN_BYTES (a file's fsync and manifest entry cost more than its bytes below that), at most
+# ``max_shard_size``. A component's stable tensors then span at most ~STABLE_FILES files.
+STABLE_FILES = 64
+STABLE_MIN_BYTES = 8 * 2**20
+
+
+def stable_shard_size(stable_bytes: int, max_shard_size: int) -> int:
+    """The cap of a component's stable shards, given its stable bytes (see ``STABLE_FILES``)."""
+    return min(max_shard_size, max(STABLE_MIN_BYTES, -(-stable_bytes // STABLE_FILES)))
 
 
 def make_plan(checkpoint: dict[Any, Any], max_shard_size: int, stable: Stable | None = None) -> Plan:
@@ -424,8 +435,9 @@ def plan_tensors(found: Found, max_shard_size: int, file_tag: str = "", stable: 
 
     Blobs whose first tensor ``stable`` holds for (frozen weights: see ``incremental``) are packed
     into shards of their own, tagged ``stable``, after the component's other shards, so an
-    incremental save can reuse those files whole while the rest changes. Without any such blob
-    the layout is exactly the one without ``stable``.
+    incremental save can reuse those files whole while the rest changes; smaller ones
+    (``stable_shard_size``), so that a frozen weight changed in place rewrites about what changed.
+    Without any such blob the layout is exactly the one without ``stable``.
     """
     specs, blobs = _dedupe(found)
     used = list(dict.fromkeys(spec.component for spec in specs))
@@ -436,14 +448,13 @@ def plan_tensors(found: Found, max_shard_size: int, file_tag: str = "", stable: 
             first_path.setdefault((spec.component, spec.blob), spec.path)
         steady = {key for key, path in first_path.items() if stable(key[0], path)}
     stable_tag = f"{file_tag}-{STABLE_TAG}" if file_tag else STABLE_TAG
-    shards = tuple(
-        s
-        for c in used
-        for group, tag in ((False, file_tag), (True, stable_tag))
-        for s in _pack(
-            c, [b for b in blobs if b.component == c and ((c, b.name) in steady) == group], max_shard_size, tag
-        )
-    )
+    shards = []
+    for c in used:
+        changing = [b for b in blobs if b.component == c and (c, b.name) not in steady]
+        frozen = [b for b in blobs if b.component == c and (c, b.name) in steady]
+        shards += _pack(c, changing, max_shard_size, file_tag)
+        shards += _pack(c, frozen, stable_shard_size(sum(b.nbytes for b in frozen), max_shard_size), stable_tag)
+    shards = tuple(shards)
     return Plan(tree=None, tensors=tuple(specs), shards=shards, components=tuple(used))
 
 

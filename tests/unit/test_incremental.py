@@ -268,6 +268,27 @@ def test_frozen_backbone_saves_write_only_the_head_and_optimizer(tmp_path):
     assert_each_complete_alone(tmp_path, expected)
 
 
+def test_a_frozen_weight_changed_in_place_rewrites_about_what_changed(tmp_path):
+    """A 40 MB frozen backbone spans several stable shards (8 MiB at least, 1/64 of it at most a
+    file): changing one 4 MB layer in place rewrites that layer's shard, not the whole backbone."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024, bias=False) for _ in range(10)), torch.nn.Linear(1024, 4))
+    model[:10].requires_grad_(False)
+    optimizer = torch.optim.SGD(model[10].parameters(), lr=0.1)
+    io = ShardedCheckpointIO()
+    io.track_frozen(model)
+    io.save_checkpoint(_checkpoint(model, optimizer), tmp_path / "a.ckpt")
+    stable = sorted(n for n in os.listdir(tmp_path / "a.ckpt") if "-stable-" in n)
+    assert len(stable) == 5  # 10 x 4 MiB in files of at most 8 MiB
+    with torch.no_grad():
+        model[3].weight.mul_(2.0)  # frozen, changed in place
+    io.save_checkpoint(_checkpoint(model, optimizer), tmp_path / "b.ckpt")
+    result = io.last_save
+    rewritten = result.nbytes - result.reused_bytes
+    assert 4 * 2**20 < rewritten < 9 * 2**20  # one stable shard and the head, not 40 MB
+    assert_each_complete_alone(tmp_path, {tmp_path / "b.ckpt": {k: v.clone() for k, v in model.state_dict().items()}})
+
+
 def assert_each_complete_alone(folder, expected: dict) -> None:
     """Each checkpoint in ``expected`` (path -> state dict) verifies and loads bit for bit once
     every other one is deleted."""
