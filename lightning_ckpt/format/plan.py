@@ -411,10 +411,11 @@ Stable = Callable[[str, tuple[Any, ...]], bool]
 STABLE_TAG = "stable"  # in the file names of those shards: ``model-stable-00001-of-00002.safetensors``
 # Stable shards are cut smaller than the others, so that an in-place change of one frozen weight
 # rewrites about what changed: each holds 1/STABLE_FILES of the component's stable bytes, at least
-# STABLE_MIN_BYTES (a file's fsync and manifest entry cost more than its bytes below that), at most
-# ``max_shard_size``. A component's stable tensors then span at most ~STABLE_FILES files.
-STABLE_FILES = 64
-STABLE_MIN_BYTES = 8 * 2**20
+# STABLE_MIN_BYTES, at most ``max_shard_size``. A component's stable tensors then span at most
+# ~STABLE_FILES files. Measured (docs/benchmarks.md): a 940 MB frozen base's first save took ~12%
+# longer in files of 15 or 59 MB than in one file, none longer in files of 512 MiB.
+STABLE_FILES = 16
+STABLE_MIN_BYTES = 512 * 2**20
 
 
 def stable_shard_size(stable_bytes: int, max_shard_size: int) -> int:

@@ -10,7 +10,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from helpers import run_script
+from safetensors.torch import load_file
 from test_sharded import _single_process_load_equals
 
 import lightning_ckpt as lc
@@ -45,6 +47,14 @@ def test_lightning_fsdp2_saves_every_rank_resumes_bit_identical_and_loads_in_one
         lc.verify_checkpoint(folder / name)
     # the whole state, read without a process group, equals what DCP's helpers gathered at the save
     _single_process_load_equals(folder / "epoch=1-step=8.ckpt", tmp_path / "full-epoch1.pt")
+    # exported from both ranks' shards in one process: the gathered weights, without the prefix
+    monkeypatch.setitem(sys.modules, "transformers", None)  # no model class: the single attribute
+    out = tmp_path / "hf"
+    lc.export_hf(folder / "epoch=1-step=8.ckpt", out, config={"model_type": "sharded-net"})
+    exported = load_file(out / "model.safetensors")
+    full = torch.load(tmp_path / "full-epoch1.pt", weights_only=True)["model"]
+    assert exported.keys() == {k.removeprefix("net.") for k in full}
+    assert all(torch.equal(exported[k.removeprefix("net.")], v) for k, v in full.items())
 
 
 @pytest.mark.parametrize("chunked_first", [True, False], ids=["chunked-to-adamw", "adamw-to-chunked"])

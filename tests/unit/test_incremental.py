@@ -14,7 +14,8 @@ from helpers import disk_usage, each_alone
 import lightning_ckpt as lc
 from lightning_ckpt import ShardedCheckpointIO
 from lightning_ckpt.format import manifest as fmt
-from lightning_ckpt.format.plan import make_plan
+from lightning_ckpt.format import plan as plan_module
+from lightning_ckpt.format.plan import make_plan, stable_shard_size
 from lightning_ckpt.format.reader import read_manifest
 from lightning_ckpt.save.changes import Snapshot, Tracker, frozen_keys, stable_predicate
 from lightning_ckpt.store.reuse import (
@@ -268,9 +269,17 @@ def test_frozen_backbone_saves_write_only_the_head_and_optimizer(tmp_path):
     assert_each_complete_alone(tmp_path, expected)
 
 
-def test_a_frozen_weight_changed_in_place_rewrites_about_what_changed(tmp_path):
-    """A 40 MB frozen backbone spans several stable shards (8 MiB at least, 1/64 of it at most a
-    file): changing one 4 MB layer in place rewrites that layer's shard, not the whole backbone."""
+def test_stable_shards_hold_a_sixteenth_of_the_frozen_bytes_within_their_bounds():
+    assert stable_shard_size(100 * 2**20, 2**40) == 512 * 2**20  # small bases: one file
+    assert stable_shard_size(16 * 2**30, 2**40) == 2**30  # a 16 GiB base: 16 files of 1 GiB
+    assert stable_shard_size(16 * 2**30, 256 * 2**20) == 256 * 2**20  # never above max_shard_size
+
+
+def test_a_frozen_weight_changed_in_place_rewrites_about_what_changed(tmp_path, monkeypatch):
+    """A frozen backbone spans several stable shards (here at least 8 MiB each, in place of 512 MiB,
+    to keep the test small): changing one 4 MB layer in place rewrites that layer's shard, not the
+    whole backbone."""
+    monkeypatch.setattr(plan_module, "STABLE_MIN_BYTES", 8 * 2**20)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024, bias=False) for _ in range(10)), torch.nn.Linear(1024, 4))
     model[:10].requires_grad_(False)
