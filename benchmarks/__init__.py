@@ -28,6 +28,7 @@ MODES: dict[str, tuple[str, str]] = {
     "offload": ("offload", "ChunkedAdamW's optimizer step against torch.optim.AdamW foreach / fused and the memory-bandwidth floor; --save, --strategy, --largest: its async saves, ChunkedOffloadStrategy's step, the largest model under a budget"),
     "compression": ("compression", "zstd on trained weights and AdamW state: ratio and MB/s per component, s3:// saves with and without"),
     "incremental": ("incremental", "LoRA-style and full fine-tunes: bytes written, durable time and async stall per save, incremental saves on and off"),
+    "load": ("load", "a resume's load, cold page cache: ours, TorchCheckpointIO, DCP in place, safetensors, against the disk's read floor"),
 }
 _KEEPS_MODE = ("distributed",)  # its parser takes --mode itself; it gets argv unchanged
 

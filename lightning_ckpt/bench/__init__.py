@@ -45,6 +45,7 @@ REPOSITORY_MODES: tuple[str, ...] = (
     "offload",
     "compression",
     "incremental",
+    "load",
 )
 DEFAULT_MODE = "save"
 _KEEPS_MODE = ("save",)  # its parser takes --mode itself; it gets argv unchanged

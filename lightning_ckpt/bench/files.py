@@ -55,6 +55,7 @@ def remove_path(path: str) -> None:
 def run_directory(directory: str) -> Iterator[str]:
     """A fresh ``run-*`` folder under ``directory``; removed afterwards with every folder this made."""
     created = []  # folders this run made, innermost first; removed again if left empty
+    directory = os.path.abspath(directory)  # a relative one would climb to "" and never exist
     folder = directory
     while not os.path.exists(folder):
         created.append(folder)
