@@ -30,6 +30,7 @@ from typing import Any
 from lightning_ckpt.bench.files import DEFAULT_DIR, drop_page_cache, remove_path, run_directory
 from lightning_ckpt.bench.measure import Task, measure, run_in_fresh_process
 from lightning_ckpt.bench.report import add_json_argument, emit_report, fmt, machine_info, report_header, stderr_logger
+from lightning_ckpt.bench.workloads import Restored
 
 READ_CHUNK = 16 * 2**20
 CONTENDERS = ("read floor", "ShardedCheckpointIO", "TorchCheckpointIO", "DCP load in place", "safetensors load_file (model)")
@@ -57,32 +58,6 @@ def _read(files: list[str], direct: bool) -> dict[str, Any]:
     return {"bytes_read": total}
 
 
-def _preallocated(size_bytes: int) -> tuple[dict[str, Any], dict[int, dict[str, Any]], list]:
-    import torch
-
-    from lightning_ckpt.bench.workloads import model_layout
-
-    layout = model_layout(size_bytes // 3)
-    params = {name: torch.zeros(shape) for name, shape in layout}
-    state = {i: {"step": torch.zeros(()), "exp_avg": torch.zeros(shape), "exp_avg_sq": torch.zeros(shape)} for i, (_, shape) in enumerate(layout)}
-    return params, state, layout
-
-
-def _copy_into(params: dict[str, Any], state: dict[int, dict[str, Any]], checkpoint: dict[str, Any]) -> int:
-    import torch
-
-    copied = 0
-    with torch.no_grad():
-        for name, param in params.items():
-            param.copy_(checkpoint["state_dict"][name])
-            copied += 1
-        for index, saved in checkpoint["optimizer_states"][0]["state"].items():
-            for key, value in saved.items():
-                state[index][key].copy_(value)
-                copied += 1
-    return copied
-
-
 def _run_task(task: Task) -> Any:
     """One measurement, in a fresh process (``measure.run_in_fresh_process``)."""
     kind, path = task["kind"], task["path"]
@@ -104,11 +79,11 @@ def _run_task(task: Task) -> Any:
         files = [f for f in files if f.endswith(".safetensors")]
         result = measure(lambda: [load_file(f) for f in files])
         return {**result, "bytes_read": sum(os.path.getsize(f) for f in files)}
-    params, state, layout = _preallocated(task["size_bytes"])
+    restored = Restored.zeros(task["size_bytes"])
     if kind == "DCP load in place":
         import torch.distributed.checkpoint as dcp
 
-        target = {"state_dict": params, "optimizer": state}
+        target = {"state_dict": restored.params, "optimizer": restored.optimizer}
         result = measure(lambda: dcp.load(target, checkpoint_id=path))
         return {**result, "bytes_read": sum(os.path.getsize(f) for f in _files(path))}
     if kind == "TorchCheckpointIO":
@@ -120,9 +95,9 @@ def _run_task(task: Task) -> Any:
 
         io = ShardedCheckpointIO()
     copied = []
-    result = measure(lambda: copied.append(_copy_into(params, state, io.load_checkpoint(path))))
-    if copied != [4 * len(layout)]:
-        raise RuntimeError(f"copied {copied} tensors, expected {4 * len(layout)}")
+    result = measure(lambda: copied.append(restored.copy_from(io.load_checkpoint(path))))
+    if copied != [restored.tensors]:
+        raise RuntimeError(f"copied {copied} tensors, expected {restored.tensors}")
     return {**result, "bytes_read": sum(os.path.getsize(f) for f in _files(path))}
 
 

@@ -30,7 +30,6 @@ import tempfile
 import time
 from typing import Any
 
-import torch
 
 from lightning_ckpt.bench import add_mode_argument
 from lightning_ckpt.bench._plain_writer import (
@@ -65,7 +64,7 @@ from lightning_ckpt.bench.report import (
     report_header,
     stderr_logger,
 )
-from lightning_ckpt.bench.workloads import build_checkpoint, model_layout, state_bytes
+from lightning_ckpt.bench.workloads import Restored, build_checkpoint, state_bytes
 
 DEFAULT_SIZES = "0.5GB,3GB"
 
@@ -153,12 +152,7 @@ def _sharded_save(task: Task) -> dict[str, Metrics]:
 
 def _load(task: Task, contender: str) -> Metrics:
     """Load into preallocated model and optimizer tensors, as a resumed training process does."""
-    layout = model_layout(task["size_bytes"] // 3)
-    params = {name: torch.zeros(shape) for name, shape in layout}
-    opt_state = {
-        i: {"step": torch.zeros(()), "exp_avg": torch.zeros(shape), "exp_avg_sq": torch.zeros(shape)}
-        for i, (_, shape) in enumerate(layout)
-    }
+    restored = Restored.zeros(task["size_bytes"])
     if contender == "torch_io":
         from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
@@ -174,21 +168,12 @@ def _load(task: Task, contender: str) -> Metrics:
         start = time.perf_counter()
         checkpoint = io.load_checkpoint(task["path"])
         phases["load_checkpoint_seconds"] = time.perf_counter() - start
-        copied = 0
-        with torch.no_grad():
-            for name, param in params.items():
-                param.copy_(checkpoint["state_dict"][name])
-                copied += 1
-            for index, saved in checkpoint["optimizer_states"][0]["state"].items():
-                for key, value in saved.items():
-                    opt_state[index][key].copy_(value)
-                    copied += 1
-        phases["tensors_copied"] = copied
+        phases["tensors_copied"] = restored.copy_from(checkpoint)
         return checkpoint
 
     result = measure(load)
-    if phases["tensors_copied"] != 4 * len(layout):
-        raise RuntimeError(f"copied {phases['tensors_copied']} tensors, expected {4 * len(layout)}")
+    if phases["tensors_copied"] != restored.tensors:
+        raise RuntimeError(f"copied {phases['tensors_copied']} tensors, expected {restored.tensors}")
     return {**result, **phases}
 
 

@@ -97,6 +97,42 @@ def build_checkpoint(size_bytes: int, device: str | torch.device = "cpu") -> dic
     }
 
 
+@dataclass
+class Restored:
+    """Preallocated model and optimizer tensors of ``build_checkpoint(size_bytes)``: what a resumed
+    training process loads into (its ``load_state_dict`` copies)."""
+
+    params: dict[str, torch.Tensor]
+    optimizer: dict[int, dict[str, torch.Tensor]]
+
+    @classmethod
+    def zeros(cls, size_bytes: int) -> Restored:
+        layout = model_layout(size_bytes // 3)
+        params = {name: torch.zeros(shape) for name, shape in layout}
+        optimizer = {
+            i: {"step": torch.zeros(()), "exp_avg": torch.zeros(shape), "exp_avg_sq": torch.zeros(shape)}
+            for i, (_, shape) in enumerate(layout)
+        }
+        return cls(params, optimizer)
+
+    @property
+    def tensors(self) -> int:
+        return len(self.params) + sum(len(state) for state in self.optimizer.values())
+
+    def copy_from(self, checkpoint: dict[str, Any]) -> int:
+        """Copy a loaded checkpoint's weights and moments in; how many tensors were copied."""
+        copied = 0
+        with torch.no_grad():
+            for name, param in self.params.items():
+                param.copy_(checkpoint["state_dict"][name])
+                copied += 1
+            for index, saved in checkpoint["optimizer_states"][0]["state"].items():
+                for key, value in saved.items():
+                    self.optimizer[index][key].copy_(value)
+                    copied += 1
+        return copied
+
+
 def state_bytes(size_bytes: int) -> tuple[int, int]:
     """(tensor bytes, tensor count) of ``build_checkpoint(size_bytes)``, without building it."""
     layout = model_layout(size_bytes // 3)

@@ -322,23 +322,17 @@ class ChunkedAdamW(Optimizer):
         found = {id(entry[0]): entry[0] for p in params if (entry := self._where.get(p)) is not None}
         self._wait(found.values())
 
-    def _module_chunks(self, module: torch.nn.Module) -> list[Chunk]:
-        found = {id(self._where[p][0]): self._where[p][0] for p in _unit_parameters(module) if p in self._where}
-        return list(found.values())
-
     def _adopt(self, module: torch.nn.Module) -> None:
         """First forward of a module holding packed parameters: its forward and its state_dict
         wait for their chunks from now on, and those chunks may be stepped in the background."""
         if id(module) in self._hooked:
             return
-        chunks = self._module_chunks(module)
+        params = [p for p in _unit_parameters(module) if p in self._where]
+        chunks = list({id(self._where[p][0]): self._where[p][0] for p in params}.values())
         if not chunks:
             return
         self._hooked.add(id(module))
-        for chunk in chunks:
-            for p in _unit_parameters(module):
-                if self._where.get(p, (None,))[0] is chunk:
-                    self._awaited.add(p)
+        self._awaited.update(params)  # each is in one of ``chunks``
         waiter = ChunkWaiter(weakref.ref(self), chunks)
         # First among the module's pre-hooks: FSDP2's all-gathers the unit's shards in its own.
         module.register_forward_pre_hook(waiter, prepend=True)
