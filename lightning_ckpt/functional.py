@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from lightning_ckpt import remote
-from lightning_ckpt.errors import CheckpointNotFoundError
+from lightning_ckpt.errors import CheckpointError, CheckpointNotFoundError
 from lightning_ckpt.format import legacy as legacy_dcp
 from lightning_ckpt.format import manifest as fmt
 from lightning_ckpt.format import reader
@@ -88,6 +88,19 @@ def load_checkpoint(
     if not os.path.exists(path):
         raise CheckpointNotFoundError(reader.not_found_message(path), path)
     return reader.load_legacy(path, map_location, weights_only)
+
+
+def stored_bytes(path: str) -> int | None:
+    """The bytes of the local checkpoint at ``path`` as stored: a directory's files (ours from its
+    manifest), a single file's size; ``None`` when it cannot be read."""
+    try:
+        if os.path.isfile(os.path.join(path, fmt.MANIFEST_FILE)):
+            return reader.read_manifest(path).total_bytes
+        if os.path.isdir(path):
+            return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
+        return os.path.getsize(path)
+    except (OSError, CheckpointError):
+        return None
 
 
 def load_remote(

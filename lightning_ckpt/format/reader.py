@@ -241,8 +241,8 @@ def _verify(directory: OpenedDir) -> fmt.Manifest:
 
 
 @dataclass
-class _Shard:
-    mapped: mmap.mmap  # the whole file, private (copy-on-write) mapping
+class Shard:
+    mapped: mmap.mmap  # the whole file: a private (copy-on-write) mapping, or its bytes read into memory
     data_start: int
     entries: dict[str, fmt.HeaderEntry]
 
@@ -254,7 +254,7 @@ class _Shard:
         return torch.frombuffer(self.mapped, dtype=torch.uint8, count=n, offset=self.data_start + entry.begin)
 
 
-def _open_shard(directory: OpenedDir, name: str, expected: tuple[str, str] | None = None) -> _Shard:
+def _open_shard(directory: OpenedDir, name: str, expected: tuple[str, str] | None = None) -> Shard:
     """Map shard ``name`` and validate its header; with ``expected`` = (algorithm, digest), first
     hash the whole mapped file and raise ``CorruptCheckpointError`` on a mismatch."""
     path = directory.path
@@ -262,44 +262,67 @@ def _open_shard(directory: OpenedDir, name: str, expected: tuple[str, str] | Non
         size = os.fstat(f.fileno()).st_size
         # MAP_PRIVATE: writes (e.g. an optimizer step on a restored state) copy the page, never the file.
         mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+    if mapped is None:  # an empty file: no header, refused naming the file
+        shard_of(directory, name, b"", 0)
+        raise AssertionError("unreachable: parse_header refuses a file too short for a header")
     try:
         if expected is not None:
             algorithm, digest = expected
-            found = fmt.digest(b"", algorithm) if mapped is None else digests.mapped_digest(mapped, algorithm)
-            digests.check_digest(path, name, algorithm, digest, found)
-        prefix = b"" if mapped is None else mapped[:8]
-        if len(prefix) == 8:
-            length = int.from_bytes(prefix, "little")
-            if length <= fmt.MAX_HEADER_BYTES and 8 + length <= size:
-                prefix = mapped[: 8 + length]  # type: ignore[index]
-        try:
-            data_start, entries = fmt.parse_header(prefix, size, where=f"{path}/{name}")
-        except CorruptCheckpointError as err:
-            err.path, err.file = path, name
-            raise
+            digests.check_digest(path, name, algorithm, digest, digests.mapped_digest(mapped, algorithm))
+        return shard_of(directory, name, mapped, size)
     except BaseException:
-        if mapped is not None:
-            mapped.close()
+        mapped.close()
         raise
-    assert mapped is not None  # parse_header refuses a file too short for a header
-    return _Shard(mapped, data_start, entries)
 
 
-def _open_verified(directory: OpenedDir, manifest: fmt.Manifest) -> dict[str, _Shard]:
+def shard_of(directory: OpenedDir, name: str, data: Any, size: int) -> Shard:
+    """Shard file ``name`` whose ``size`` bytes are the start of ``data`` (a map of the file, or
+    its bytes read into memory), its header parsed and checked."""
+    path = directory.path
+    prefix = data[: min(8, size)]
+    if len(prefix) == 8:
+        length = int.from_bytes(prefix, "little")
+        if length <= fmt.MAX_HEADER_BYTES and 8 + length <= size:
+            prefix = data[: 8 + length]
+    try:
+        data_start, entries = fmt.parse_header(prefix, size, where=f"{path}/{name}")
+    except CorruptCheckpointError as err:
+        err.path, err.file = path, name
+        raise
+    return Shard(data, data_start, entries)
+
+
+def shard_names(manifest: fmt.Manifest) -> set[str]:
+    """The manifest's shard files (tensor data), as against the small ones (metadata, model index)."""
+    return {name for files in manifest.components.values() for name in files}
+
+
+def checked_tree(directory: OpenedDir, verify: bool) -> tuple[fmt.Manifest, Any, int]:
+    """The cheap check, the metadata's tree and, with ``verify``, every small file's digest (the
+    shards are hashed as they are read); (manifest, tree, bytes of the small files read)."""
+    manifest, tree = _checked(directory)
+    shards = shard_names(manifest)
+    small = [name for name in manifest.files if name not in shards]
+    if verify:
+        for name in small:
+            if name != manifest.metadata_file:  # the metadata's digest is checked in every mode
+                record = manifest.files[name]
+                digests.check_digest(directory.path, name, manifest.checksum, record.digest, fmt.digest(directory.read(name), manifest.checksum))
+    return manifest, tree, sum(manifest.files[name].size for name in small)
+
+
+def _open_verified(directory: OpenedDir, manifest: fmt.Manifest) -> dict[str, Shard]:
     """Hash every listed file before any tensor exists; map the shards (returned, by name).
 
     Shards are hashed on a few threads at once (the digests release the GIL), so a checkpoint of
     several shards is verified at several times one core's hashing speed. A damaged file raises
     ``CorruptCheckpointError`` naming it (the first in manifest order when several are damaged).
     """
-    path, algorithm = directory.path, manifest.checksum
-    shard_files = {name for files in manifest.components.values() for name in files}
-    for name, record in manifest.files.items():
-        if name not in shard_files and name != manifest.metadata_file:  # small: the model index
-            digests.check_digest(path, name, algorithm, record.digest, fmt.digest(directory.read(name), algorithm))
+    algorithm = manifest.checksum
+    shard_files = shard_names(manifest)
     names = [name for name in manifest.files if name in shard_files]
     workers = max(1, min(len(names), os.cpu_count() or 1, _HASH_THREADS))
-    shards: dict[str, _Shard] = {}
+    shards: dict[str, Shard] = {}
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lightning_ckpt-verify") as pool:
         futures = {
             name: pool.submit(_open_shard, directory, name, (algorithm, manifest.files[name].digest)) for name in names
@@ -343,10 +366,10 @@ def load(
 
 
 def _load(directory: OpenedDir, map_location: MapLocation, weights_only: bool | None, verify_checksums: bool) -> dict[Any, Any]:
-    manifest, tree = _checked(directory)
+    manifest, tree, _ = checked_tree(directory, verify_checksums)
     shards = _open_verified(directory, manifest) if verify_checksums else {}
-    tensors = _Tensors(directory, manifest, map_location, shards, verify_each=False)
-    return _decode(directory, manifest, tree, tensors.tensor, map_location, weights_only)
+    tensors = Tensors(directory, manifest, map_location, shards, verify_each=False)
+    return decode(directory, manifest, tree, tensors.tensor, map_location, weights_only)
 
 
 def _read_tree(directory: OpenedDir, manifest: fmt.Manifest) -> Any:
@@ -361,7 +384,7 @@ def _read_tree(directory: OpenedDir, manifest: fmt.Manifest) -> Any:
         raise CorruptCheckpointError(f"{path!r}: {manifest.metadata_file!r} is not valid JSON ({err}).", path) from err
 
 
-def _decode(
+def decode(
     directory: OpenedDir,
     manifest: fmt.Manifest,
     tree: Any,
@@ -386,7 +409,7 @@ def _decode(
         raise CorruptCheckpointError(f"{path!r}: {manifest.metadata_file!r} is malformed ({err}).", path) from err
 
 
-class _Tensors:
+class Tensors:
     """The tensors of one opened checkpoint, as views of its privately mapped shards.
 
     ``shards`` holds shards already mapped (and verified); others are mapped on first use, and
@@ -398,7 +421,7 @@ class _Tensors:
         directory: OpenedDir,
         manifest: fmt.Manifest,
         map_location: MapLocation,
-        shards: dict[str, _Shard],
+        shards: dict[str, Shard],
         verify_each: bool,
     ) -> None:
         self.directory, self.manifest, self.map_location = directory, manifest, map_location
@@ -476,7 +499,7 @@ class ShardFiles:
         self.directory = OpenedDir(path)
         self.manifest = manifest_in(self.directory)
         check_structure(self.directory, self.manifest)
-        self._tensors = _Tensors(self.directory, self.manifest, None, {}, verify_each=verify)
+        self._tensors = Tensors(self.directory, self.manifest, None, {}, verify_each=verify)
 
     def close(self) -> None:
         """Close the directory; tensors already handed out stay valid (they map the files)."""
@@ -493,7 +516,7 @@ class ShardFiles:
             given = supplied(index)
             return self._tensors.tensor(index) if given is None else given
 
-        return _decode(self.directory, self.manifest, tree, tensor, None, weights_only)
+        return decode(self.directory, self.manifest, tree, tensor, None, weights_only)
 
 
 def _unpickle(data: bytes, at: tuple[Any, ...], path: str, map_location: MapLocation, weights_only: bool | None) -> Any:

@@ -48,11 +48,13 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
+from rich.console import Console
 from typing_extensions import override
 
 from lightning_ckpt.compile import install_load_hook, strip_compiled_prefixes
 from lightning_ckpt.errors import CheckpointWriteError
 from lightning_ckpt.format import manifest as fmt
+from lightning_ckpt.lightning.monitor import LoadRecord
 from lightning_ckpt.lightning.plugin import CheckpointIOFeatures, ShardedCheckpointIO
 from lightning_ckpt.lightning.records import SaveRecorder, features, saves_async
 from lightning_ckpt.lightning.release import (
@@ -183,6 +185,8 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         self.release_threshold_mb = release_threshold_mb
         self._memory_after_save: MemoryStats | None = None  # allocator counters at the previous save
         self._staging_prepared = False  # once per fit (see ``strategies.prepare_staging``)
+        self._load_before: Optional[LoadRecord] = None  # the plugin's last load when the run set up
+        self.load_record: Optional[LoadRecord] = None  # the load of the run's restore (``_restored``)
         self._overlap = False  # inside ``_between_steps``
         self.metrics_file = metrics_file
         self.plot = plot
@@ -224,6 +228,9 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         plugin = features(trainer.strategy.checkpoint_io)
         if plugin is not None:  # frozen weights in shards of their own, for incremental saves
             plugin.track_frozen(pl_module)
+            # Every rank runs the restore that follows: its load may read once (``read_once``).
+            plugin.expect_collective_load(trainer.world_size, trainer.num_nodes)
+            self._load_before = plugin.last_load
         # Before the strategy restores (Trainer._run: callbacks' setup, then strategy.setup, then the
         # restore): a stock ModelParallelStrategy / FSDPStrategy resumes from our checkpoints.
         enable_sharded_checkpoints(trainer.strategy)
@@ -257,6 +264,9 @@ class ShardedModelCheckpoint(ModelCheckpoint):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        plugin = features(trainer.strategy.checkpoint_io)
+        if plugin is not None:  # a run that failed before its first batch: no collective load left armed
+            plugin.end_collective_load()
         if self._load_hook is not None:
             self._load_hook.remove()
             self._load_hook = None
@@ -281,7 +291,32 @@ class ShardedModelCheckpoint(ModelCheckpoint):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
+        self._restored(trainer)
         self._schedule.start()
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restored(trainer)
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restored(trainer)
+
+    def _restored(self, trainer: pl.Trainer) -> None:
+        """After the Trainer's restore: no later load is collective, and the restore's own load
+        (if any) is logged as ``ckpt/load_s``, ``ckpt/load_gbps`` and ``ckpt/load_read_gb``."""
+        plugin = features(trainer.strategy.checkpoint_io)
+        if plugin is None:
+            return
+        plugin.end_collective_load()
+        record = plugin.last_load
+        if record is None or record is self._load_before:
+            return
+        self._load_before = self.load_record = record
+        if self.verbose and trainer.is_global_zero:
+            Console(soft_wrap=True).print(record.line())
+        for logger in trainer.loggers:
+            logger.log_metrics(record.metrics(), step=trainer.global_step)
 
     @override
     def on_train_batch_end(
@@ -513,6 +548,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restored(trainer)  # trainer.validate(ckpt_path=...) restored before this
         self._recorder.monitor.pause(time.perf_counter())  # validation time is not a training step
 
     @override

@@ -123,6 +123,42 @@ class SaveRecord:
         }
 
 
+@dataclass(frozen=True)
+class LoadRecord:
+    """One load by ``ShardedCheckpointIO.load_checkpoint`` (its ``last_load``): wall seconds of
+    the call, the checkpoint's bytes, and those this rank read from storage (fewer than the
+    checkpoint's when ranks read once and broadcast; ``None``: not known, a remote load)."""
+
+    path: str
+    seconds: float
+    total_bytes: int | None
+    bytes_read: int | None
+    read_once: bool = False
+
+    @property
+    def gbps(self) -> float | None:
+        """The checkpoint's GB (1e9 bytes) delivered per second of the load."""
+        if self.total_bytes is None or self.seconds <= 0:
+            return None
+        return self.total_bytes / self.seconds / 1e9
+
+    def metrics(self) -> dict[str, float]:
+        """``ckpt/load_s``, ``ckpt/load_gbps`` and ``ckpt/load_read_gb`` (those known)."""
+        values = {
+            "ckpt/load_s": self.seconds,
+            "ckpt/load_gbps": self.gbps,
+            "ckpt/load_read_gb": None if self.bytes_read is None else self.bytes_read / 1e9,
+        }
+        return {k: float(v) for k, v in values.items() if v is not None}
+
+    def line(self) -> str:
+        """One line for ``verbose=True``."""
+        read = "" if self.bytes_read is None or self.bytes_read == self.total_bytes else f", {_size(self.bytes_read)} read here"
+        size = "" if self.total_bytes is None else f" {_size(self.total_bytes)}"
+        speed = "" if self.gbps is None else f" ({self.gbps:.2f} GB/s{read})"
+        return f"loaded{size} from {self.path} in {_seconds(self.seconds)}{speed}"
+
+
 @dataclass
 class SaveMonitor:
     """Step timing and save records (rank 0 only)."""

@@ -41,6 +41,7 @@ class SaveOptions:
     part_timeout: float = DEFAULT_PART_TIMEOUT
     spread_writes: Optional[bool] = None
     incremental: bool | Literal["link", "copy"] = True
+    read_once: Optional[bool] = None
 
     def __post_init__(self) -> None:
         one_of("verify_on_load", self.verify_on_load, VERIFY_MODES)
@@ -48,6 +49,7 @@ class SaveOptions:
         one_of("on_error", self.on_error, ("raise", "warn"))
         one_of("spread_writes", self.spread_writes, (None, True, False))
         one_of("incremental", self.incremental, (True, False, "link", "copy"))
+        one_of("read_once", self.read_once, (None, True, False))
         if isinstance(self.part_timeout, bool) or not isinstance(self.part_timeout, (int, float)) or not self.part_timeout > 0:
             raise ValueError(f"`part_timeout={self.part_timeout!r}` must be a positive number of seconds.")
 

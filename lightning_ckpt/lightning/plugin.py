@@ -21,6 +21,7 @@ from typing import Any, Literal, Optional, Protocol, runtime_checkable
 
 import fsspec
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
@@ -33,16 +34,20 @@ from lightning_ckpt.errors import (
     skipped_damaged_message,
 )
 from lightning_ckpt.format.plan import Stable, parse_size
+from lightning_ckpt.format.read_once import ReadOnce, load_read_once
+from lightning_ckpt.format.reader import is_committed
 from lightning_ckpt.functional import (  # re-exported: ``lightning_ckpt.io.X`` (the old path) keeps working
     DEFAULT_MAX_SHARD_SIZE,
     load_checkpoint,
     load_remote,
     location,
+    stored_bytes,
     remove_checkpoint,
     save_checkpoint,
     verify_checkpoint,
 )
 from lightning_ckpt.lightning.loading import load_from_checkpoint
+from lightning_ckpt.lightning.monitor import LoadRecord
 from lightning_ckpt.lightning.options import (
     AsyncOptions,
     SaveOptions,
@@ -93,6 +98,7 @@ class CheckpointIOFeatures(Protocol):
     loaded_instead: tuple[str, str] | None
     skipped_saves: int
     last_save: WriteResult | None
+    last_load: LoadRecord | None
 
     def overlapping(self) -> AbstractContextManager[None]: ...
 
@@ -107,6 +113,10 @@ class CheckpointIOFeatures(Protocol):
     def resume_last(self, found: set[str], depth: int) -> None: ...
 
     def track_frozen(self, module: torch.nn.Module) -> None: ...
+
+    def expect_collective_load(self, world_size: int, num_nodes: int) -> None: ...
+
+    def end_collective_load(self) -> None: ...
 
 
 class ShardedCheckpointIO(CheckpointIO):
@@ -186,8 +196,16 @@ class ShardedCheckpointIO(CheckpointIO):
             hashed again), so that every checkpoint has bytes of its own: one damaged on disk
             does not damage the others (see docs/incremental.md for which to pick).
 
+        read_once: DDP resumes through ``ShardedModelCheckpoint``: each shard file is read from
+            storage by one rank (spread by bytes) and broadcast to the others over the training
+            process group, instead of every rank reading the whole checkpoint. ``None``
+            (default): when the ranks span several nodes (on one node the page cache already
+            shares the reads); ``True``: on one node too; ``False``: never.
+
     Call order and ranks: Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0
-    only, ``load_checkpoint`` and ``teardown`` on every rank; none of them runs a collective.
+    only, ``load_checkpoint`` and ``teardown`` on every rank; none of them runs a collective, but
+    the Trainer's restore that reads once (``read_once``), one ``all_gather_object`` and a
+    broadcast per shard file. ``last_load`` describes the latest load (seconds, bytes, GB/s).
     """
 
     def __init__(
@@ -212,6 +230,7 @@ class ShardedCheckpointIO(CheckpointIO):
         compression: Optional[str | dict[str, str]] = None,
         compression_level: int = 3,
         incremental: bool | Literal["link", "copy"] = True,
+        read_once: Optional[bool] = None,
     ) -> None:
         super().__init__()
         self.options = SaveOptions(
@@ -223,6 +242,7 @@ class ShardedCheckpointIO(CheckpointIO):
             part_timeout=float(part_timeout),
             spread_writes=spread_writes,
             incremental=incremental,
+            read_once=read_once,
         )
         one_of("async_save", async_save, (True, False))
         async_options = AsyncOptions(
@@ -251,6 +271,11 @@ class ShardedCheckpointIO(CheckpointIO):
         self.incremental = self.options.incremental is not False
         self.part_timeout = self.options.part_timeout
         self.spread_writes = self.options.spread_writes
+        self.read_once = self.options.read_once
+        # (world_size, num_nodes) while the next load is the Trainer's restore on every rank
+        # (``expect_collective_load``): only then may a load run collectives (``read_once``).
+        self._collective_load: tuple[int, int] | None = None
+        self.last_load: LoadRecord | None = None  # the latest load: seconds, bytes, GB/s
         self._frozen_source: Optional[Callable[[], Optional[frozenset[str]]]] = None  # see ``track_frozen``
         self._lock = threading.RLock()
         self._build_savers()
@@ -446,11 +471,54 @@ class ShardedCheckpointIO(CheckpointIO):
             with self._lock:
                 self._async.drain(block=True)
                 self._async.worker.wait()
+        verify = self.verify_on_load == "full"
+        collective, self._collective_load = self._collective_load, None
+        start = time.perf_counter()
         if remote.is_remote(path):
             self._sync.uploader.wait()
             self.keep_loaded(path)
-            return load_remote(os.fspath(path), self.remote, map_location, weights_only, self.verify_on_load == "full")
-        return self.load_resolved(path, lambda p: load_checkpoint(p, map_location, weights_only, verify=self.verify_on_load == "full"))
+            checkpoint = load_remote(os.fspath(path), self.remote, map_location, weights_only, verify)
+            self.last_load = LoadRecord(os.fspath(path), time.perf_counter() - start, None, None)
+            return checkpoint
+        reads_once = self._reads_once(collective)
+        read: dict[str, ReadOnce] = {}
+
+        def load(candidate: str) -> dict[str, Any]:
+            local = savejob.local_path(candidate)
+            if not (reads_once and is_committed(local)):  # legacy files and DCP folders: every rank reads
+                return load_checkpoint(candidate, map_location, weights_only, verify=verify)
+            checkpoint, read[candidate] = load_read_once(local, map_location, weights_only, verify)
+            return checkpoint
+
+        checkpoint = self.load_resolved(path, load)
+        loaded = self.loaded_instead[1] if self.loaded_instead is not None else os.fspath(path)
+        seconds = time.perf_counter() - start
+        if loaded in read:
+            share = read[loaded]
+            self.last_load = LoadRecord(loaded, seconds, share.total_bytes, share.bytes_read, read_once=True)
+        else:
+            size = stored_bytes(savejob.local_path(loaded))
+            self.last_load = LoadRecord(loaded, seconds, size, size)
+        return checkpoint
+
+    def expect_collective_load(self, world_size: int, num_nodes: int) -> None:
+        """The next load is the Trainer's restore, which every rank of the run calls together
+        (``ShardedModelCheckpoint.setup`` says so; ``end_collective_load`` takes it back), so it
+        may read once and broadcast (``read_once``). Outside that window no load runs a
+        collective: a load called on one rank alone never waits for the others."""
+        self._collective_load = (world_size, num_nodes)
+
+    def end_collective_load(self) -> None:
+        """The Trainer's restore is over (see ``expect_collective_load``)."""
+        self._collective_load = None
+
+    def _reads_once(self, collective: tuple[int, int] | None) -> bool:
+        if collective is None or self.read_once is False:
+            return False
+        world_size, num_nodes = collective
+        if world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+            return False
+        return self.read_once is True or num_nodes > 1
 
     def resume_last(self, found: set[str], depth: int) -> None:
         """``ckpt_path="last"`` is resolving among ``found``, the ``last`` checkpoints Lightning found

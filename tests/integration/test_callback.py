@@ -86,6 +86,31 @@ def test_records_metrics_through_the_loggers(tmp_path):
     assert len(saved["saves"]) == len(records) and len(saved["step_times_s"]) >= 3 * STEPS_PER_EPOCH - 1
 
 
+def test_a_resume_logs_its_load(tmp_path, capsys):
+    seed_everything(0)
+    first = lc.ShardedModelCheckpoint(dirpath=tmp_path / "ckpts", filename="{step}", every_n_train_steps=2)
+    Trainer(max_steps=2, callbacks=[first], plugins=[lc.ShardedCheckpointIO()], **trainer_kwargs()).fit(TinyRegressor())
+    assert first.load_record is None  # nothing was restored
+    saved = str(tmp_path / "ckpts" / "step=2.ckpt")
+    logger = CSVLogger(tmp_path / "logs", name="run", version=0)
+    io = lc.ShardedCheckpointIO()
+    callback = lc.ShardedModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, verbose=True)
+    trainer = Trainer(max_steps=4, callbacks=[callback], plugins=[io], **trainer_kwargs(logger=logger))
+    trainer.fit(TinyRegressor(), ckpt_path=saved)
+    record = callback.load_record
+    assert record is io.last_load and record.path == saved and not record.read_once  # one process reads it all
+    assert record.total_bytes == record.bytes_read == lc.verify_checkpoint(saved).total_bytes
+    assert record.seconds > 0 and record.gbps == record.total_bytes / record.seconds / 1e9
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
+        rows = [row for row in csv.DictReader(f) if row.get("ckpt/load_s")]
+    assert len(rows) == 1 and rows[0]["step"] == "2"
+    assert float(rows[0]["ckpt/load_gbps"]) > 0 and float(rows[0]["ckpt/load_read_gb"]) == record.bytes_read / 1e9
+    assert f"loaded {record.total_bytes / 1e6:.0f} MB from {saved}" in capsys.readouterr().out
+    # A load outside the restore runs no collective and is recorded too.
+    io.load_checkpoint(saved)
+    assert io.last_load is not record and io.last_load.path == saved
+
+
 def test_async_saves_report_durability_later(tmp_path):
     seed_everything(0)
     callback = lc.ShardedModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
