@@ -3,11 +3,13 @@ programs, kept out of the installed package. Each prints a rich table (and, with
 run's values as JSON). ``python -m lightning_ckpt bench --mode MODE`` names them and where they
 live: the installed package never imports this folder.
 
-The user-facing ``save`` and ``async`` modes ship with the package (``lightning_ckpt.bench``);
-these modes build on its shared parts (``measure``, ``report``, ``files``, ``workloads``,
-``contenders``, ``_plain_writer``) and on ``s3`` here (the local S3-compatible server, moto, on
-127.0.0.1). Data flows one way: a mode module imports the shared ones, never another mode, and
-nothing imports a mode but :func:`main`.
+The package ships lean, user-facing ``save`` and ``async`` modes (``lightning_ckpt.bench``); the
+``save`` and ``async`` modes here are their research versions (every contender, the disk's floor,
+...), built on them. Every mode builds on the package's shared parts (``lightning_ckpt.bench``:
+``measure``, ``report``, ``files``, ``workloads``, ``contenders``) and on ``common/`` here (what
+only the research modes share: DCP contenders, plain writes, the transformer, the S3 server, ...).
+Data flows one way: a mode module imports the shared ones (and a research version its package
+mode), never another mode, and nothing imports a mode but :func:`main`.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import importlib
 import sys
 
 # mode -> (module, one-line description); the order is the order of ``--help``. The keys are
-# ``lightning_ckpt.bench.REPOSITORY_MODES`` (a unit test keeps the two equal).
+# ``lightning_ckpt.bench.MODES`` (research versions) and ``REPOSITORY_MODES`` (a test keeps them so).
 MODES: dict[str, tuple[str, str]] = {
+    "save": ("save", "save/load throughput and memory against TorchCheckpointIO and a plain write, the disk's floor"),
+    "async": ("async_loop", "a simulated training loop: stall per save, time until durable, memory; Lightning, DCP, ours, the floor"),
     "train": ("train", "a real training loop (decoder-only transformer + AdamW): training time lost per save"),
     "distributed": ("distributed", "N CPU ranks (gloo): FSDP2 and DDP saves and loads against stock DCP"),
     "activations": ("activations", "activation checkpointing: peak activation memory and step time"),

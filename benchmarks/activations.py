@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.common.measure import run_in_spawned_process
 from lightning_ckpt.bench.measure import MB, proc_status, run_in_fresh_process
 from lightning_ckpt.bench.report import (
     add_json_argument,
@@ -238,7 +239,7 @@ def bench(args: argparse.Namespace, device: str, log: Any) -> dict[str, Any]:
             task = {**settings, "kind": f"activations-memory-{name.replace(' ', '-')}", "options": options}
             try:
                 # read by glibc when the process starts (see the docstring)
-                result = run_in_fresh_process(task, _measure_memory, env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+                result = run_in_spawned_process(task, _measure_memory, {"MALLOC_MMAP_THRESHOLD_": "65536"})
             except RuntimeError as err:
                 errors[name] = str(err)
                 log(f"[red]{device} {name}: {err}")

@@ -54,6 +54,13 @@ from typing import Any
 
 import torch
 
+from benchmarks.common.arguments import parse_count
+from benchmarks.common.workloads import (
+    Decoder,
+    DecoderConfig,
+    decoder_config,
+    lightning_checkpoint,
+)
 from lightning_ckpt.bench.files import DEFAULT_DIR, run_directory
 from lightning_ckpt.bench.measure import (
     GB,
@@ -69,15 +76,8 @@ from lightning_ckpt.bench.report import (
     emit_report,
     fmt,
     machine_info,
-    parse_count,
     report_header,
     stderr_logger,
-)
-from lightning_ckpt.bench.workloads import (
-    Decoder,
-    DecoderConfig,
-    decoder_config,
-    lightning_checkpoint,
 )
 
 COMPONENTS = ("model_fp32", "model_bf16", "exp_avg", "exp_avg_sq", "step")
@@ -226,7 +226,7 @@ def _end_to_end(task: Task, checkpoint: dict[str, Any], repeat: int, reference: 
     import fsspec
 
     from lightning_ckpt import ShardedCheckpointIO, remote
-    from lightning_ckpt.bench.workloads import mismatches
+    from benchmarks.common.workloads import mismatches
 
     fs = fsspec.filesystem("s3")
     warm = {"state_dict": {"w": torch.ones(16)}, "global_step": 0}
@@ -488,8 +488,8 @@ def missing_packages(end_to_end: bool) -> list[str]:
 
 def bench(task: Task, end_to_end: bool, log: Callable[[str], None]) -> Metrics:
     """The measurement process of ``task`` (with the S3 server around it when ``end_to_end``)."""
-    from benchmarks.s3 import s3_environment, s3_server
-    from lightning_ckpt.bench.measure import environment
+    from benchmarks.common.measure import environment
+    from benchmarks.common.s3 import s3_environment, s3_server
 
     if not end_to_end:
         return run_in_fresh_process(task, _run)

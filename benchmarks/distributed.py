@@ -89,9 +89,8 @@ from typing import Any
 
 import torch
 
-from lightning_ckpt.bench._plain_writer import aligned, direct_buffer, write_and_fsync
+from benchmarks.common.plain_writer import BUFFERED_CHUNK, aligned, direct_buffer, write_and_fsync
 from lightning_ckpt.bench.files import (
-    BUFFERED_CHUNK,
     DEFAULT_DIR,
     drop_page_cache,
     fsync_file,

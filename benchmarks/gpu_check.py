@@ -584,10 +584,9 @@ def build_steps(env: dict[str, Any]) -> list[Step]:
             "async saves in a training loop with the state on the GPU (1 GB): Lightning TorchCheckpointIO and"
             " AsyncCheckpointIO, DCP async_save and ShardedCheckpointIO(async_save=True): stall, steps while"
             " writing, time until durable, memory; one plain pinned copy as the floor",
-            ("-m", "lightning_ckpt", "bench", "--mode", "async", "--device", "cuda", "--size", "1GB", "--repeats", "1",
-             "--saves", "3", "--every", "4", "--warmup", "6", "--timeout", "40",
-             "--contenders", "torch_io,async_io,dcp_async,sharded_async,plain_copy",
-             "--dir", "{work}/ckpts", "--json", "{json}"),
+            _bench("--mode", "async", "--device", "cuda", "--size", "1GB", "--repeats", "1",
+                   "--saves", "3", "--every", "4", "--warmup", "6", "--timeout", "40",
+                   "--contenders", "torch_io,async_io,dcp_async,sharded_async,plain_copy", "--dir", "{work}/ckpts"),
             95, parse_async,  # 78 s on an H200
         ),
         Step(

@@ -30,7 +30,7 @@ from typing import Any
 from lightning_ckpt.bench.files import DEFAULT_DIR, drop_page_cache, remove_path, run_directory
 from lightning_ckpt.bench.measure import Task, measure, run_in_fresh_process
 from lightning_ckpt.bench.report import add_json_argument, emit_report, fmt, machine_info, report_header, stderr_logger
-from lightning_ckpt.bench.workloads import Restored
+from benchmarks.common.workloads import Restored
 
 READ_CHUNK = 16 * 2**20
 CONTENDERS = ("read floor", "ShardedCheckpointIO", "TorchCheckpointIO", "DCP load in place", "safetensors load_file (model)")

@@ -62,13 +62,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.common.arguments import parse_count
 from lightning_ckpt.bench.measure import median, proc_status
 from lightning_ckpt.bench.report import (
     add_json_argument,
     emit_report,
     fmt,
     machine_info,
-    parse_count,
     report_header,
     version,
 )
@@ -514,7 +514,7 @@ def run_strategy_gpu(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def default_max_host_gb() -> float:
     """``HOST_MARGIN`` of the host memory available now (``MemAvailable``), in GB."""
-    from lightning_ckpt.bench.measure import meminfo
+    from benchmarks.common.measure import meminfo
 
     available = meminfo().get("MemAvailable") or os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return available * HOST_MARGIN / 1e9

@@ -34,15 +34,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.common.arguments import size_argument
+from benchmarks.common.measure import run_grid
 from lightning_ckpt.bench.files import DEFAULT_DIR, remove_path, run_directory
-from lightning_ckpt.bench.measure import GB, MB, Metrics, Task, m, ratio, run_grid
+from lightning_ckpt.bench.measure import GB, MB, Metrics, Task, m, ratio
 from lightning_ckpt.bench.report import (
     add_json_argument,
     emit_report,
     fmt,
     machine_info,
     report_header,
-    size_argument,
     stderr_logger,
 )
 

@@ -66,7 +66,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.s3 import s3_environment, s3_server
+from benchmarks.common.measure import environment, run_in_spawned_process
+from benchmarks.common.s3 import s3_environment, s3_server
+from benchmarks.common.workloads import mismatches
 from lightning_ckpt.bench.files import (
     DEFAULT_DIR,
     path_bytes,
@@ -79,12 +81,10 @@ from lightning_ckpt.bench.measure import (
     Metrics,
     RssSampler,
     Task,
-    environment,
     m,
     measure,
     proc_status,
     ratio,
-    run_in_fresh_process,
     summarize,
 )
 from lightning_ckpt.bench.report import (
@@ -95,7 +95,7 @@ from lightning_ckpt.bench.report import (
     report_header,
     stderr_logger,
 )
-from lightning_ckpt.bench.workloads import build_checkpoint, mismatches, state_bytes
+from lightning_ckpt.bench.workloads import build_checkpoint, state_bytes
 
 CONTENDERS = ("torch_io", "sharded_sync", "sharded_async", "sharded_local_tier", "local_disk", "s3fs_put")
 TITLES = {
@@ -303,7 +303,7 @@ def _contender(name: str) -> Callable[[_Run, dict[str, Any], dict[str, Any]], Me
 
 
 def _run_repeat(task: Task) -> dict[str, Metrics]:
-    """Runner of :func:`run_in_fresh_process`: every contender of ``task["order"]`` once; a failed
+    """Runner of :func:`run_in_spawned_process`: every contender of ``task["order"]`` once; a failed
     contender is recorded as ``{"error": ...}`` and the others still run."""
     import tempfile
     import traceback
@@ -392,7 +392,7 @@ def bench(
             "max_shard_size": max_shard_size,
         }
         try:
-            out = run_in_fresh_process(task, _run_repeat, env=_MALLOC_ENV)
+            out = run_in_spawned_process(task, _run_repeat, _MALLOC_ENV)
         except RuntimeError as err:
             errors.append(f"repeat {r + 1}: {err}")
             log(f"repeat {r + 1} FAILED: {str(err).splitlines()[0]}")

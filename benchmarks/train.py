@@ -64,11 +64,19 @@ from typing import Any
 
 import torch
 
-from lightning_ckpt.bench.contenders import (
+from benchmarks.common.arguments import parse_count
+from benchmarks.common.contenders import (
     DcpAsync,
     dcp_process_available,
     dcp_staging_options,
     make_contender,
+)
+from benchmarks.common.measure import p95
+from benchmarks.common.workloads import (
+    Decoder,
+    DecoderConfig,
+    decoder_config,
+    lightning_checkpoint,
 )
 from lightning_ckpt.bench.files import (
     DEFAULT_DIR,
@@ -85,7 +93,6 @@ from lightning_ckpt.bench.measure import (
     Task,
     m,
     median,
-    p95,
     proc_status,
     ratio,
     run_in_fresh_process,
@@ -96,15 +103,8 @@ from lightning_ckpt.bench.report import (
     emit_report,
     fmt,
     machine_info,
-    parse_count,
     report_header,
     stderr_logger,
-)
-from lightning_ckpt.bench.workloads import (
-    Decoder,
-    DecoderConfig,
-    decoder_config,
-    lightning_checkpoint,
 )
 
 CONTENDERS = ("torch_io", "async_io", "dcp_async", "sharded_sync", "sharded_async")

@@ -1,26 +1,10 @@
-"""``python -m lightning_ckpt bench --mode MODE [...]``: the benchmarks a user runs on their own
-machine to judge the plugin (save/load throughput, async saves in a training loop); each prints a
-rich table (and, with ``--json``, every run's values as JSON).
+"""``python -m lightning_ckpt bench --mode save|async [...]``: what a user runs on their own machine to
+judge the plugin against Lightning's own IO (a durable save; the stall an async save costs a
+training loop): a table of medians over runs in fresh processes, and with ``--json`` every value.
 
-The research harnesses (multi-rank, object storage, compression, a real training loop, ...) are
-not shipped in the package: they live in the repository's ``benchmarks/`` folder and run from a
-checkout with ``python -m benchmarks --mode MODE``. ``--mode`` with one of
-:data:`REPOSITORY_MODES` says so (the installed package never imports the repository's code).
-
-One module per mode; the shared parts are kept apart, and data flows one way (a mode module
-imports the shared ones, never another mode, and nothing imports a mode but :func:`main`). The
-shared parts are also what ``benchmarks/`` builds on:
-
-* ``measure``: fresh measurement processes, timing, RSS / memory readings, medians, p95, ratios;
-* ``report``: machine description, report header, the ``--json`` convention, table formatting;
-* ``files``: the run folder, fsync, removal, page-cache dropping;
-* ``_plain_writer``: plain sequential writes (standard library only, as it is also the
-  ``disk_floor`` helper process);
-* ``workloads``: the synthetic checkpoint dict, the simulated step, the decoder-only transformer,
-  and the byte-for-byte comparison of a loaded checkpoint with the saved one;
-* ``contenders``: Lightning ``TorchCheckpointIO`` / ``AsyncCheckpointIO``, DCP ``async_save`` and
-  ``ShardedCheckpointIO`` as a training loop drives them (``--mode async``, and ``train`` in
-  ``benchmarks/``).
+The research harnesses (these modes with DCP and the disk's floor, multi-rank, object storage, ...)
+live in the repository's ``benchmarks/`` folder, which builds on the shared parts here (``measure``,
+``report``, ``files``, ``workloads``) and on the two modes; the package never imports it.
 """
 
 from __future__ import annotations
@@ -31,22 +15,13 @@ import sys
 
 # mode -> (module, one-line description); the order is the order of ``--help``
 MODES: dict[str, tuple[str, str]] = {
-    "save": ("save", "save/load throughput and memory against TorchCheckpointIO and a plain write (default)"),
-    "async": ("async_loop", "stalls of a simulated training loop per save, time until durable, memory"),
+    "save": ("save", "a durable save, time and memory, against TorchCheckpointIO (default)"),
+    "async": ("async_loop", "the stall per save in a training loop and the time until durable, against AsyncCheckpointIO"),
 }
-# The modes of the repository's benchmarks/ folder (``benchmarks.MODES`` describes them).
-REPOSITORY_MODES: tuple[str, ...] = (
-    "train",
-    "distributed",
-    "activations",
-    "fragmentation",
-    "release",
-    "remote",
-    "offload",
-    "compression",
-    "incremental",
-    "load",
-)
+# The modes only benchmarks/ has (``benchmarks.MODES``: these and its research versions of MODES).
+REPOSITORY_MODES = (
+    "train", "distributed", "activations", "fragmentation", "release", "remote", "offload", "compression", "incremental", "load"
+)  # fmt: skip
 DEFAULT_MODE = "save"
 _KEEPS_MODE = ("save",)  # its parser takes --mode itself; it gets argv unchanged
 
@@ -72,11 +47,8 @@ def split_mode(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark of ``--mode`` (default ``save``); its exit code.
-
-    ``save`` gets ``argv`` as given (its parser takes ``--mode``); ``async`` gets it without
-    ``--mode``; a mode of :data:`REPOSITORY_MODES` is named with where it lives (exit code 2).
-    """
+    """Run the benchmark of ``--mode`` (default ``save``; its parser takes ``--mode``, ``async``'s
+    does not); a mode of :data:`REPOSITORY_MODES` is named with where it lives (exit code 2)."""
     args = list(sys.argv[1:] if argv is None else argv)
     mode, rest = split_mode(args)
     if mode in REPOSITORY_MODES:

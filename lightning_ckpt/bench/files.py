@@ -1,4 +1,4 @@
-"""Files under test: the run folder, removal, fsync, page-cache dropping (plain writes: ``_plain_writer``)."""
+"""Files under test: the run folder, removal, fsync, page-cache dropping."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from collections.abc import Iterator
 
 from lightning_ckpt import _fs
 
-BUFFERED_CHUNK = 64 * 2**20
 DEFAULT_DIR = os.path.join("bench-results", "tmp")
 
 

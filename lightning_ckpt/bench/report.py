@@ -1,5 +1,5 @@
-"""Reporting, one way for every mode: the machine description, the report header, progress lines,
-rich-table number formatting and the ``--json`` convention (see :func:`add_json_argument`)."""
+"""Reporting, one way for every mode: the machine, the report header, progress lines, table
+number formatting and the ``--json`` convention (:func:`add_json_argument`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lightning_ckpt.bench.measure import GB
+from lightning_ckpt.bench.measure import GB, parse_status
 
 
 def version(package: str) -> str | None:
@@ -63,19 +63,11 @@ def machine_info(directory: str, cuda: bool = False) -> dict[str, Any]:
         "tmp_filesystem": filesystem_of(tempfile.gettempdir()),
     }
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    info["total_ram_gb"] = int(line.split()[1]) * 1024 / GB
-    except OSError:
-        pass
-    try:
+        with open("/proc/meminfo", "rb") as f:
+            info["total_ram_gb"] = parse_status(f.read())["MemTotal"] / GB
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu_model"] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
+            info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, KeyError, StopIteration):
         pass
     if cuda:
         info["cuda"] = {
@@ -116,23 +108,15 @@ def report_header(argv: list[str] | None, started: float) -> dict[str, Any]:
 def add_json_argument(parser: argparse.ArgumentParser) -> None:
     """``--json [PATH]``: the results JSON only when asked for; ``--json`` or ``--json -`` is stdout."""
     parser.add_argument(
-        "--json",
-        dest="json_path",
-        nargs="?",
-        const="-",
-        default=None,
-        metavar="PATH",
+        "--json", dest="json_path", nargs="?", const="-", default=None, metavar="PATH",
         help="also write the results JSON (every run's values, the machine, the command) to PATH;"
         " `--json` alone or `--json -` prints it on stdout instead (the table then goes to stderr)",
-    )
+    )  # fmt: skip
 
 
 def emit_report(table: Any, report: dict[str, Any], json_path: str | None) -> None:
-    """Print the rich table; the JSON only when ``json_path`` asks for it.
-
-    ``json_path``: ``None`` (the table alone, on stdout), ``"-"`` (the JSON document alone on
-    stdout, so it can be piped; the table on stderr), or a file to write the JSON to.
-    """
+    """Print the rich table; the JSON only when ``json_path`` asks for it: ``None``, the table alone
+    on stdout; ``"-"``, the JSON document alone on stdout (to pipe), the table on stderr; or a file."""
     from rich.console import Console
 
     to_stdout = json_path == "-"
@@ -150,33 +134,3 @@ def emit_report(table: Any, report: dict[str, Any], json_path: str | None) -> No
     with open(json_path, "w") as f:
         f.write(text + "\n")
     Console(stderr=True).print(f"[dim]results JSON written to {json_path}[/dim]", highlight=False)
-
-
-def size_argument(option: str) -> Callable[[str], int]:
-    """An argparse ``type`` for a byte size (``"512MB"``, ``"1GiB"``); its error names ``option``."""
-
-    def parse(text: str) -> int:
-        from lightning_ckpt.format.plan import parse_size
-
-        try:
-            return parse_size(text, option)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-
-    return parse
-
-
-_COUNT_UNITS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-
-
-def parse_count(text: str, argument: str) -> int:
-    """``"1.3B"``, ``"350M"``, ``"8e6"`` -> a count (B = billion). Raises ``ValueError`` naming ``argument``."""
-    value = text.strip().upper()
-    unit = value[-1] if value and value[-1] in _COUNT_UNITS else ""
-    try:
-        number = float(value[: len(value) - len(unit)]) * _COUNT_UNITS[unit]
-    except ValueError:
-        raise ValueError(f"{argument} {text!r} is not a count; give e.g. 1.3B, 350M or 8000000") from None
-    if number < 1:
-        raise ValueError(f"{argument} {text!r} must be at least 1")
-    return int(number)

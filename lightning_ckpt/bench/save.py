@@ -1,23 +1,11 @@
-"""Benchmark: ShardedCheckpointIO against Lightning's TorchCheckpointIO and a plain sequential write.
+"""``python -m lightning_ckpt bench [--mode save]``: a durable save of a model + AdamW checkpoint,
+``ShardedCheckpointIO`` against Lightning's ``TorchCheckpointIO``: time and peak extra RSS.
 
-Each measurement runs in a fresh subprocess (``measure.run_in_fresh_process``), so RSS figures start clean: the child builds
-a model + AdamW checkpoint dict, records its baseline RSS, then times the operation while a thread
-samples ``VmRSS`` and ``RssAnon`` every 20 ms (and the exact VmHWM peak). Contenders, per state size:
-
-* ``plain_write``: the same number of bytes written sequentially and fsynced, buffered (64 MB
-  writes) and ``O_DIRECT`` (16 MB writes from a page-aligned buffer); the faster is the yardstick.
-* ``torch_io``: ``TorchCheckpointIO().save_checkpoint`` plus an fsync of the file (durable, as ours).
-* ``sharded_io``: ``ShardedCheckpointIO().save_checkpoint`` twice in one child (first and steady).
-* loads of both: ``load_checkpoint`` with the page cache dropped, then every tensor copied into
-  preallocated parameters and optimizer state (what ``load_state_dict`` costs).
-
-Medians over ``--repeats`` (each repeat a fresh child per measurement) go to a rich table; the
-full JSON only with ``--json PATH`` (a file) or ``--json`` / ``--json -`` (stdout, table on stderr)::
-
-    python -m lightning_ckpt bench --sizes 0.5GB,3GB --repeats 3 --json bench-results/bench.json
-
-``--mode async`` lives in ``async_loop``; the research modes (``train``, ``distributed``, ...) in the
-repository's ``benchmarks/``.
+Per state size and repeat, each in a fresh process that builds ``workloads.build_checkpoint``:
+``torch_io``, ``TorchCheckpointIO().save_checkpoint`` and an fsync of the file (durable, as ours);
+``sharded_io``, two ``ShardedCheckpointIO().save_checkpoint`` (the first allocates its buffers).
+The research version, with loads and the disk's plain-write floor, builds on this module:
+``python -m benchmarks --mode save`` in a checkout of the repository.
 """
 
 from __future__ import annotations
@@ -25,324 +13,156 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
-
 from lightning_ckpt.bench import add_mode_argument
-from lightning_ckpt.bench._plain_writer import (
-    ALIGN,
-    aligned,
-    direct_buffer,
-    write_and_fsync,
-)
-from lightning_ckpt.bench.files import (
-    BUFFERED_CHUNK,
-    DEFAULT_DIR,
-    drop_page_cache,
-    fsync_file,
-    remove_path,
-    run_directory,
-)
-from lightning_ckpt.bench.measure import (
-    GB,
-    Metrics,
-    Task,
-    m,
-    measure,
-    ratio,
-    run_in_fresh_process,
-    summarize,
-)
-from lightning_ckpt.bench.report import (
-    add_json_argument,
-    emit_report,
-    fmt,
-    machine_info,
-    report_header,
-    stderr_logger,
-)
-from lightning_ckpt.bench.workloads import Restored, build_checkpoint, state_bytes
+from lightning_ckpt.bench.files import DEFAULT_DIR, drop_page_cache, fsync_file, remove_path, run_directory
+from lightning_ckpt.bench.measure import GB, Metrics, Task, m, measure, ratio, run_in_fresh_process, summarize
+from lightning_ckpt.bench.report import add_json_argument, emit_report, fmt, machine_info, report_header, stderr_logger
+from lightning_ckpt.bench.workloads import build_checkpoint, state_bytes
 
 DEFAULT_SIZES = "0.5GB,3GB"
+Row = tuple[str, Metrics | None, tuple[float | None, ...]]  # a contender, its summary, its ratios to torch_io
 
 
-# ----------------------------------------------------------------------------------------------
-# Child side: the measured operations
-
-
-def _plain_buffered(path: str, nbytes: int) -> Metrics:
-    buffer = memoryview(os.urandom(min(BUFFERED_CHUNK, nbytes)))  # preallocated, reused
-
-    def write() -> None:
-        write_and_fsync(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, buffer, nbytes)
-
-    return {**measure(write), "bytes_written": nbytes}
-
-
-def _plain_direct(path: str, nbytes: int) -> Metrics:
-    if not hasattr(os, "O_DIRECT"):
-        raise OSError("O_DIRECT is not available on this platform")
-    total = aligned(nbytes)
-    buffer = direct_buffer(total)
-
-    def write() -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
-        try:
-            left = total
-            while left:
-                n = os.write(fd, buffer[: min(left, len(buffer))])
-                if n % ALIGN:
-                    raise OSError(f"short O_DIRECT write of {n} bytes")
-                left -= n
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    try:
-        result = measure(write)
-    finally:
-        buffer.release()  # the only reference to its mapping: unmapped here
-    return {**result, "bytes_written": total}
-
-
-def _sharded_kwargs(task: Task) -> dict[str, Any]:
-    return {} if task.get("max_shard_size") is None else {"max_shard_size": task["max_shard_size"]}
-
-
-def _torch_save(task: Task) -> Metrics:
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-
-    checkpoint = build_checkpoint(task["size_bytes"])
-    io = TorchCheckpointIO()
-    # fsspec's transaction writes a tempfile.mkstemp() file and moves it into place; keep that temp
-    # file on the filesystem under test (not a possibly different /tmp), so the move is a rename.
-    tempfile.tempdir = os.path.dirname(os.path.abspath(task["path"]))
-
-    def save() -> None:
-        io.save_checkpoint(checkpoint, task["path"])
-        fsync_file(task["path"])
-
-    result = measure(save)
-    drop_page_cache(task["path"])  # leave the cache as the sharded writer does
-    return {**result, "bytes_written": os.path.getsize(task["path"])}
-
-
-def _sharded_save(task: Task) -> dict[str, Metrics]:
+def sharded_io(task: Task) -> Any:
+    """The ``ShardedCheckpointIO`` of ``task`` (its ``max_shard_size``, if any)."""
     from lightning_ckpt import ShardedCheckpointIO
 
+    return ShardedCheckpointIO(**({} if task.get("max_shard_size") is None else {"max_shard_size": task["max_shard_size"]}))
+
+
+def run_task(task: Task) -> Any:
+    """Runner of :func:`run_in_fresh_process`: ``torch_io_save`` (``task["path"]``) or
+    ``sharded_io_save`` (two saves, to ``task["paths"]``; the first is removed)."""
     checkpoint = build_checkpoint(task["size_bytes"])
-    io = ShardedCheckpointIO(**_sharded_kwargs(task))
-    results: dict[str, Metrics] = {}
+    if task["kind"] == "torch_io_save":
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+        io, path = TorchCheckpointIO(), task["path"]
+        # fsspec writes a tempfile.mkstemp() file and moves it into place: on the filesystem under test, a rename
+        tempfile.tempdir = os.path.dirname(os.path.abspath(path))
+        result = measure(lambda: (io.save_checkpoint(checkpoint, path), fsync_file(path)))
+        drop_page_cache(path)  # leave the cache as the sharded writer does
+        return {**result, "bytes_written": os.path.getsize(path)}
+    io, results = sharded_io(task), {}
     try:
         for key, path in zip(("first", "steady"), task["paths"]):
             results[key] = measure(lambda path=path: io.save_checkpoint(checkpoint, path))
-            assert io.last_save is not None
-            results[key].update(
-                bytes_written=io.last_save.nbytes, files=io.last_save.files, direct_io=io.last_save.direct_io
-            )
+            saved = io.last_save
+            results[key].update(bytes_written=saved.nbytes, files=saved.files, direct_io=saved.direct_io)
             if key == "first":
-                remove_path(path)  # not loaded; keep the disk footprint at one checkpoint
+                remove_path(path)  # keep the disk footprint at one checkpoint
     finally:
         io.teardown()
     return results
 
 
-def _load(task: Task, contender: str) -> Metrics:
-    """Load into preallocated model and optimizer tensors, as a resumed training process does."""
-    restored = Restored.zeros(task["size_bytes"])
-    if contender == "torch_io":
-        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+class SizeRuns:
+    """The runs of one state size, by measurement; one that fails is recorded and the benchmark goes on."""
 
-        io: Any = TorchCheckpointIO()
-    else:
-        from lightning_ckpt import ShardedCheckpointIO
+    def __init__(self, label: str, size_bytes: int, repeats: int, log: Callable[[str], None], runner: Any) -> None:
+        self.label, self.size_bytes, self.repeats, self.log, self.runner = label, size_bytes, repeats, log, runner
+        self.nbytes, self.tensors = state_bytes(size_bytes)
+        self.runs: dict[str, list[Metrics]] = {}
+        self.errors: list[str] = []
 
-        io = ShardedCheckpointIO(**_sharded_kwargs(task))
-    drop_page_cache(task["path"])
-    phases: dict[str, float] = {}
-
-    def load() -> dict[str, Any]:
-        start = time.perf_counter()
-        checkpoint = io.load_checkpoint(task["path"])
-        phases["load_checkpoint_seconds"] = time.perf_counter() - start
-        phases["tensors_copied"] = restored.copy_from(checkpoint)
-        return checkpoint
-
-    result = measure(load)
-    if phases["tensors_copied"] != restored.tensors:
-        raise RuntimeError(f"copied {phases['tensors_copied']} tensors, expected {restored.tensors}")
-    return {**result, **phases}
-
-
-def _run_task(task: Task) -> Any:
-    """Runner of :func:`run_in_fresh_process` for this mode's measurements."""
-    kind = task["kind"]
-    if kind.startswith("plain_"):
+    def attempt(self, r: int, key: str, task: Task, failures: list[str] | None = None) -> Any:
+        """The child's result, or None after recording its error (in ``failures``, default ``errors``)."""
+        self.log(f"[{self.label} {r + 1}/{self.repeats}] {key}")
         try:
-            write = _plain_buffered if kind == "plain_buffered" else _plain_direct
-            return write(task["path"], task["nbytes"])
-        finally:  # the plain bytes are never read back
-            remove_path(task["path"])
-    if kind == "torch_io_save":
-        return _torch_save(task)
-    if kind == "sharded_io_save":
-        return _sharded_save(task)
-    if kind == "torch_io_load":
-        return _load(task, "torch_io")
-    if kind == "sharded_io_load":
-        return _load(task, "sharded_io")
-    raise ValueError(f"unknown task {kind!r}")
+            return run_in_fresh_process(task, self.runner)
+        except RuntimeError as err:
+            (self.errors if failures is None else failures).append(f"repeat {r + 1}: {err}")
+            self.log(f"[{self.label} {r + 1}/{self.repeats}] {key} FAILED: {str(err).splitlines()[0]}")
+            return None
+
+    def add(self, key: str, out: Metrics) -> None:
+        self.runs.setdefault(key, []).append({**out, "GBps": self.nbytes / out["seconds"] / GB})
+
+    def summary(self, key: str) -> Metrics | None:
+        return summarize(self.runs.get(key, []))
+
+
+def measure_repeat(size: SizeRuns, r: int, run_dir: str, max_shard_size: str | None, then: Any = None) -> None:
+    """Repeat ``r``: ``TorchCheckpointIO``'s save, then ours; ``then(r, "torch_io" | "sharded_io",
+    path, task)`` follows each save that succeeded, before its files are removed."""
+    tag = f"{size.label.replace('/', '_')}-r{r}"
+    common = {"size_bytes": size.size_bytes, "max_shard_size": max_shard_size}
+    paths = [os.path.join(run_dir, f"{tag}-torch.ckpt"), *(os.path.join(run_dir, f"{tag}-sharded-{i}") for i in (1, 2))]
+    try:
+        if (out := size.attempt(r, "torch_io_save", {**common, "kind": "torch_io_save", "path": paths[0]})) is not None:
+            size.add("torch_io_save", out)
+            if then:
+                then(r, "torch_io", paths[0], common)
+        remove_path(paths[0])
+        if (out := size.attempt(r, "sharded_io_save", {**common, "kind": "sharded_io_save", "paths": paths[1:]})) is not None:
+            size.add("sharded_io_save_first", out["first"])
+            size.add("sharded_io_save_steady", out["steady"])
+            if then:
+                then(r, "sharded_io", paths[2], common)
+    finally:
+        for path in paths:
+            remove_path(path)
+
+
+def result_of(size: SizeRuns) -> Metrics:
+    """The summaries of ``size``'s saves and ours / ``TorchCheckpointIO``'s ratios."""
+    torch_save, first, steady = map(size.summary, ("torch_io_save", "sharded_io_save_first", "sharded_io_save_steady"))
+    ratios = {
+        f"save_{key}{suffix}": ratio(m(ours, metric), m(torch_save, metric))
+        for key, metric in (("seconds", "seconds"), ("peak_rss", "peak_rss_mb"))
+        for suffix, ours in (("", steady), ("_first", first))
+    }
+    return {
+        "size": size.label,
+        "size_bytes": size.size_bytes,
+        "state_bytes": size.nbytes,
+        "state_tensors": size.tensors,
+        "torch_io": {"save": torch_save},
+        "sharded_io": {"save_first": first, "save_steady": steady},
+        "ratios_ours_over_torch_io": ratios,
+        "errors": size.errors,
+    }
 
 
 def bench_size(label: str, size_bytes: int, repeats: int, run_dir: str, max_shard_size: str | None, log: Any) -> Metrics:
-    """All contenders at one state size; every measurement in a fresh process."""
-    nbytes, n_tensors = state_bytes(size_bytes)
-    runs: dict[str, list[Metrics]] = {
-        k: []
-        for k in (
-            "plain_buffered",
-            "plain_direct",
-            "torch_io_save",
-            "sharded_io_save_first",
-            "sharded_io_save_steady",
-            "torch_io_load",
-            "sharded_io_load",
-        )
-    }
-    errors: list[str] = []
-    notes: list[str] = []
-    tag = label.replace("/", "_")
-
-    def attempt(r: int, key: str, task: Task) -> Any:
-        """The child's result, or None after recording its error (the benchmark goes on).
-
-        A failed ``O_DIRECT`` plain write (e.g. tmpfs refuses ``O_DIRECT``) is a note, not an error.
-        """
-        log(f"[{label} {r + 1}/{repeats}] {key}")
-        try:
-            return run_in_fresh_process(task, _run_task)
-        except RuntimeError as err:
-            (notes if key == "plain_direct" else errors).append(f"repeat {r + 1}: {err}")
-            log(f"[{label} {r + 1}/{repeats}] {key} FAILED: {str(err).splitlines()[0]}")
-            return None
-
-    common = {"size_bytes": size_bytes, "max_shard_size": max_shard_size}
+    size = SizeRuns(label, size_bytes, repeats, log, run_task)
     for r in range(repeats):
-        for kind in ("plain_buffered", "plain_direct"):
-            path = os.path.join(run_dir, f"{tag}-r{r}-{kind}.bin")
-            try:
-                if (out := attempt(r, kind, {"kind": kind, "path": path, "nbytes": nbytes})) is not None:
-                    runs[kind].append({**out, "GBps": nbytes / out["seconds"] / GB})
-            finally:
-                remove_path(path)
-
-        torch_path = os.path.join(run_dir, f"{tag}-r{r}-torch.ckpt")
-        try:
-            if (out := attempt(r, "torch_io_save", {**common, "kind": "torch_io_save", "path": torch_path})) is not None:
-                runs["torch_io_save"].append({**out, "GBps": nbytes / out["seconds"] / GB})
-                if (out := attempt(r, "torch_io_load", {**common, "kind": "torch_io_load", "path": torch_path})) is not None:
-                    runs["torch_io_load"].append({**out, "GBps": nbytes / out["seconds"] / GB})
-        finally:
-            remove_path(torch_path)
-
-        paths = [os.path.join(run_dir, f"{tag}-r{r}-sharded-{i}") for i in (1, 2)]
-        try:
-            task = {**common, "kind": "sharded_io_save", "paths": paths}
-            if (out := attempt(r, "sharded_io_save", task)) is not None:
-                for key in ("first", "steady"):
-                    runs[f"sharded_io_save_{key}"].append({**out[key], "GBps": nbytes / out[key]["seconds"] / GB})
-                task = {**common, "kind": "sharded_io_load", "path": paths[1]}
-                if (out := attempt(r, "sharded_io_load", task)) is not None:
-                    runs["sharded_io_load"].append({**out, "GBps": nbytes / out["seconds"] / GB})
-        finally:
-            for path in paths:
-                remove_path(path)
-
-    ops = {key: summarize(values) for key, values in runs.items()}
-    plain = [g for g in (m(ops["plain_buffered"], "GBps"), m(ops["plain_direct"], "GBps")) if g]
-    best_plain = max(plain) if plain else None
-    for key in ("torch_io_save", "sharded_io_save_first", "sharded_io_save_steady"):
-        if ops[key] and best_plain:
-            values = [v / best_plain for v in ops[key]["GBps"]["values"]]
-            ops[key]["vs_plain"] = {"median": statistics.median(values), "values": values}
-
-    torch_save, torch_load = ops["torch_io_save"], ops["torch_io_load"]
-    steady, first, ours_load = ops["sharded_io_save_steady"], ops["sharded_io_save_first"], ops["sharded_io_load"]
-    ratios = {
-        "save_seconds": ratio(m(steady, "seconds"), m(torch_save, "seconds")),
-        "save_seconds_first": ratio(m(first, "seconds"), m(torch_save, "seconds")),
-        "save_peak_rss": ratio(m(steady, "peak_rss_mb"), m(torch_save, "peak_rss_mb")),
-        "save_peak_rss_first": ratio(m(first, "peak_rss_mb"), m(torch_save, "peak_rss_mb")),
-        "load_seconds": ratio(m(ours_load, "seconds"), m(torch_load, "seconds")),
-        "load_peak_rss": ratio(m(ours_load, "peak_rss_mb"), m(torch_load, "peak_rss_mb")),
-        "load_peak_rss_anon": ratio(m(ours_load, "peak_rss_anon_mb"), m(torch_load, "peak_rss_anon_mb")),
-    }
-    return {
-        "size": label,
-        "size_bytes": size_bytes,
-        "state_bytes": nbytes,
-        "state_tensors": n_tensors,
-        "plain_write": {
-            "buffered": ops["plain_buffered"],
-            "direct": ops["plain_direct"],
-            "best_plain_GBps": best_plain,
-        },
-        "torch_io": {"save": torch_save, "load": torch_load},
-        "sharded_io": {"save_first": first, "save_steady": steady, "load": ours_load},
-        "ratios_ours_over_torch_io": ratios,
-        "errors": errors,
-        "notes": notes,
-    }
+        measure_repeat(size, r, run_dir, max_shard_size)
+    return result_of(size)
 
 
-def render_table(results: list[Metrics]) -> Any:
-    """One row per contender and size; ratio columns on our rows (ours / torch_io)."""
+def save_rows(res: Metrics) -> list[Row]:
+    ratios, ours = res["ratios_ours_over_torch_io"], res["sharded_io"]
+    return [
+        ("torch_io save", res["torch_io"]["save"], ()),
+        ("sharded_io save (1st)", ours["save_first"], (ratios["save_seconds_first"], ratios["save_peak_rss_first"])),
+        ("sharded_io save", ours["save_steady"], (ratios["save_seconds"], ratios["save_peak_rss"])),
+    ]
+
+
+def render_table(results: list[Metrics], rows: Any = save_rows, columns: tuple[str, ...] = ("s", "GB/s")) -> Any:
+    """A row per contender and size: ``columns`` (of ``s``, ``GB/s``, ``x plain``), the RSS, and as
+    many ratio columns (ours / torch_io) as the longest row has."""
     from rich.table import Table
 
     table = Table(title="lightning_ckpt benchmark (medians; RSS = peak minus baseline)")
-    for column in ("size", "contender", "s", "GB/s", "x plain", "ΔRSS MB", "ΔRssAnon MB"):
+    keys = {"s": "seconds", "GB/s": "GBps", "x plain": "vs_plain", "ΔRSS MB": "peak_rss_mb", "ΔRssAnon MB": "peak_rss_anon_mb"}
+    columns = (*columns, "ΔRSS MB", "ΔRssAnon MB")
+    width = max(len(row[2]) for res in results for row in rows(res))
+    for column in ("size", "contender", *columns):
         table.add_column(column, justify="left" if column in ("size", "contender") else "right")
-    for column in ("ours/torch s", "ours/torch ΔRSS", "ours/torch ΔAnon"):
+    for column in ("ours/torch s", "ours/torch ΔRSS", "ours/torch ΔAnon")[:width]:
         table.add_column(column, justify="right", style="bold")
     for res in results:
-        plain, ratios = res["plain_write"], res["ratios_ours_over_torch_io"]
-        rows: list[tuple[str, Metrics | None, tuple[float | None, float | None, float | None]]] = [
-            ("plain_write buffered", plain["buffered"], (None, None, None)),
-            ("plain_write O_DIRECT", plain["direct"], (None, None, None)),
-            ("torch_io save", res["torch_io"]["save"], (None, None, None)),
-            (
-                "sharded_io save (1st)",
-                res["sharded_io"]["save_first"],
-                (ratios["save_seconds_first"], ratios["save_peak_rss_first"], None),
-            ),
-            ("sharded_io save", res["sharded_io"]["save_steady"], (ratios["save_seconds"], ratios["save_peak_rss"], None)),
-            ("torch_io load", res["torch_io"]["load"], (None, None, None)),
-            (
-                "sharded_io load",
-                res["sharded_io"]["load"],
-                (ratios["load_seconds"], ratios["load_peak_rss"], ratios["load_peak_rss_anon"]),
-            ),
-        ]
-        for i, (name, op, (r_time, r_rss, r_anon)) in enumerate(rows):
-            size = f"{res['size']} ({res['state_bytes'] / GB:.3g} GB)" if i == 0 else ""
-            if op is None:
-                table.add_row(size, name, "error", *["-"] * 7)
-                continue
-            table.add_row(
-                size,
-                name,
-                fmt(m(op, "seconds"), 3),
-                fmt(m(op, "GBps")),
-                fmt(m(op, "vs_plain")),
-                fmt(m(op, "peak_rss_mb"), 0),
-                fmt(m(op, "peak_rss_anon_mb"), 0),
-                fmt(r_time),
-                fmt(r_rss),
-                fmt(r_anon),
-            )
+        for i, (name, op, ratios) in enumerate(rows(res)):
+            cells = [fmt(m(op, keys[c]), 3 if c == "s" else 0 if "MB" in c else 2) for c in columns] if op else ["error"]
+            cells += ["-"] * (len(columns) - len(cells)) + [fmt(v) for v in ratios] + ["-"] * (width - len(ratios))
+            table.add_row(f"{res['size']} ({res['state_bytes'] / GB:.3g} GB)" if i == 0 else "", name, *cells)
         table.add_section()
     return table
 
@@ -350,81 +170,65 @@ def render_table(results: list[Metrics]) -> Any:
 def _parse_sizes(text: str) -> list[tuple[str, int]]:
     from lightning_ckpt.format.plan import parse_size
 
-    sizes = []
-    for item in text.split(","):
-        if item.strip():
-            sizes.append((item.strip(), parse_size(item.strip(), "--sizes")))
+    sizes = [(item.strip(), parse_size(item.strip(), "--sizes")) for item in text.split(",") if item.strip()]
     if not sizes:
         raise ValueError("`--sizes` is empty; give e.g. '0.5GB,3GB'.")
     return sizes
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lightning_ckpt bench",
-        description="Benchmark ShardedCheckpointIO against TorchCheckpointIO and a plain sequential write.",
-        epilog="Every other mode has its own options: `--mode MODE --help`.",
-    )
-    add_mode_argument(parser)
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """This mode's options (``benchmarks/``' ``--mode save`` takes the same)."""
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma list of state sizes (default {DEFAULT_SIZES})")
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement, medians reported (default 3)")
-    parser.add_argument(
-        "--dir",
-        default=DEFAULT_DIR,
-        help=f"where checkpoints are written, on the filesystem under test (default ./{DEFAULT_DIR})",
-    )
+    parser.add_argument("--dir", default=DEFAULT_DIR, help=f"where to write, on the filesystem under test (default ./{DEFAULT_DIR})")
     add_json_argument(parser)
-    parser.add_argument(
-        "--max-shard-size", default=None, help="ShardedCheckpointIO max_shard_size (default: the plugin's default)"
-    )
-    return parser
+    parser.add_argument("--max-shard-size", default=None, help="ShardedCheckpointIO max_shard_size (default: the plugin's)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run ``--mode save``; print a table (and the JSON with ``--json``). Returns 0, or 1 if any measurement failed.
+def run(parser: argparse.ArgumentParser, argv: list[str] | None, bench_size: Callable[..., Metrics], table: Any) -> int:
+    """Parse ``argv`` (``parser`` has :func:`add_options`), run ``bench_size`` for every size, print
+    the ``table`` (and the JSON with ``--json``). Returns 0, 1 if a measurement failed, 2 without room."""
+    from lightning_ckpt.format.plan import parse_size
+    from lightning_ckpt.lightning.plugin import DEFAULT_MAX_SHARD_SIZE
 
-    ``argv`` may hold ``--mode save`` (:func:`lightning_ckpt.bench.main` hands it on unchanged).
-    """
-    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         sizes = _parse_sizes(args.sizes)
         if args.max_shard_size is not None:
-            from lightning_ckpt.format.plan import parse_size
-
             parse_size(args.max_shard_size, "--max-shard-size")
     except ValueError as err:
         parser.error(str(err))
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
-    from lightning_ckpt.lightning.plugin import DEFAULT_MAX_SHARD_SIZE
-
-    directory = os.path.abspath(args.dir)
-    log = stderr_logger()
+    directory, log, started = os.path.abspath(args.dir), stderr_logger(), time.time()
     machine = machine_info(directory)
-    results = []
-    started = time.time()
     with run_directory(directory) as run_dir:
         need = max(2 * state_bytes(size_bytes)[0] for _, size_bytes in sizes)
-        free = shutil.disk_usage(run_dir).free
-        if free < need * 1.1:
+        if (free := shutil.disk_usage(run_dir).free) < need * 1.1:
             log(f"--dir {directory!r} has {free / GB:.1f} GB free; the largest size needs ~{need / GB:.1f} GB.")
             return 2
-        for label, size_bytes in sizes:
-            results.append(bench_size(label, size_bytes, args.repeats, run_dir, args.max_shard_size, log))
-
-    report = {
-        **report_header(argv, started),
-        "settings": {
-            "sizes": [label for label, _ in sizes],
-            "repeats": args.repeats,
-            "dir": directory,
-            "max_shard_size": args.max_shard_size or DEFAULT_MAX_SHARD_SIZE,
-            "units": "GB = 1e9 bytes, MB = 1e6 bytes; RSS figures are peak minus the pre-operation baseline",
-            "torch_io_tempdir": "--dir (fsspec's temporary file is kept on the filesystem under test)",
-        },
-        "machine": machine,
-        "results": results,
+        results = [bench_size(label, nbytes, args.repeats, run_dir, args.max_shard_size, log) for label, nbytes in sizes]
+    settings = {
+        "sizes": [label for label, _ in sizes],
+        "repeats": args.repeats,
+        "dir": directory,
+        "max_shard_size": args.max_shard_size or DEFAULT_MAX_SHARD_SIZE,
+        "units": "GB = 1e9 bytes, MB = 1e6 bytes; RSS figures are peak minus the pre-operation baseline",
+        "torch_io_tempdir": "--dir (fsspec's temporary file is kept on the filesystem under test)",
     }
-    emit_report(render_table(results), report, args.json_path)
+    report = {**report_header(argv, started), "settings": settings, "machine": machine, "results": results}
+    emit_report(table(results), report, args.json_path)
     return 1 if any(res["errors"] for res in results) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``--mode save``; ``argv`` may hold ``--mode save`` (``lightning_ckpt.bench.main`` hands it on)."""
+    parser = argparse.ArgumentParser(
+        prog="lightning_ckpt bench",
+        description="Benchmark ShardedCheckpointIO's durable save against Lightning's TorchCheckpointIO.",
+        epilog="Every other mode has its own options: `--mode MODE --help`. With loads and the disk's plain-write"
+        " floor: `python -m benchmarks --mode save` in a checkout of the repository.",
+    )
+    add_mode_argument(parser)
+    add_options(parser)
+    return run(parser, argv, bench_size, render_table)

@@ -1,5 +1,7 @@
-"""Smoke test of the async (training-loop) benchmark at a tiny size: it runs every contender, cleans
-up, and reports sane JSON. No timing thresholds: only structure and positivity."""
+"""Smoke tests of the async (training-loop) benchmark at a tiny size, the package's (``python -m
+lightning_ckpt bench --mode async``) and the research version (``python -m benchmarks --mode
+async``): each runs every contender, cleans up, and reports sane JSON. No timing thresholds: only
+structure and positivity."""
 
 from __future__ import annotations
 
@@ -13,13 +15,66 @@ import pytest
 import torch
 from helpers import assert_positive_medians
 
+import benchmarks
+from benchmarks import async_loop as bench_async
 from lightning_ckpt import bench
-from lightning_ckpt.bench import async_loop as bench_async
+from lightning_ckpt.bench import async_loop as package_async
+from lightning_ckpt.bench.async_loop import CONTENDERS as PACKAGE_CONTENDERS
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the benchmark reads Linux /proc")
 
 
-def test_bench_async_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_package_bench_async_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt_dir = tmp_path / "ckpts"
+    json_path = tmp_path / "results" / "async.json"
+    argv = [
+        "--size", "3MB", "--repeats", "1", "--saves", "3", "--every", "2", "--warmup", "3", "--compute-ms", "2",
+        "--dir", str(ckpt_dir), "--json", str(json_path),
+    ]  # fmt: skip
+
+    assert bench.main(["--mode", "async", *argv]) == 0
+
+    report = json.loads(json_path.read_text())
+    assert {"command", "argv", "settings", "machine", "results"} <= report.keys() and report["argv"] == argv
+    settings = report["settings"]
+    assert settings["mode"] == "async" and settings["saves"] == 3 and settings["device"] == "cpu"
+    assert settings["contenders"] == list(PACKAGE_CONTENDERS) and settings["compute"]["matmuls_per_step"] >= 1
+    results = report["results"]
+    assert results["errors"] == [] and 0.9 * 3e6 < results["state_bytes"] < 1.1 * 3e6
+    # Lightning's TorchCheckpointIO / AsyncCheckpointIO and ours; DCP and the disk's floor are benchmarks/'
+    assert list(results["contenders"]) == ["torch_io", "async_io", "sharded_async", "sharded_sync"]
+    for name, entry in results["contenders"].items():
+        summary = entry["summary"]
+        assert_positive_medians(summary, "baseline_step_median_seconds", "durable_first_seconds", "durable_steady_median_seconds")
+        assert summary["saves"]["median"] == 3 and summary["state_bytes"]["median"] >= results["state_bytes"], name
+        assert math.isfinite(summary["stall_steady_median_seconds"]["median"]) and summary["peak_rss_mb"]["median"] >= 0
+        (run,) = entry["runs"]
+        assert [s["index"] for s in run["per_save"]] == [1, 2, 3]
+        for record in run["per_save"]:
+            assert record["call_seconds"] > 0 and record["durable_seconds"] >= record["call_seconds"] - 1e-3, (name, record)
+        if name in ("torch_io", "sharded_sync"):  # durable when the call returns: no step runs while it writes
+            assert summary["steps_while_writing"]["median"] == 0 and summary["step_while_writing_median_ratio"] is None
+    ratios = results["ratios"]
+    assert ratios["stall_steady_vs_torch_io"]["torch_io"] == pytest.approx(1.0)
+    assert ratios["durable_steady_vs_async_io"]["async_io"] == pytest.approx(1.0)
+    assert ratios["durable_steady_vs_async_io"]["sharded_async"] > 0
+
+    out = capsys.readouterr().out  # the table on stdout, the JSON only in the file; nothing left on disk
+    assert "sharded_async" in out and "dcp" not in out and "{" not in out
+    assert not ckpt_dir.exists() or not any(ckpt_dir.rglob("*"))
+
+
+def test_package_bench_async_refuses_a_research_contender(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--mode", "async", "--contenders", "sharded_async,dcp_async"])
+    assert exit_info.value.code == 2 and "dcp_async" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--mode", "async", "--help"])
+    assert exit_info.value.code == 0
+    assert "python -m benchmarks --mode async" in " ".join(capsys.readouterr().out.split())
+
+
+def test_benchmarks_async_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt_dir = tmp_path / "ckpts"
     json_path = tmp_path / "results" / "async.json"
     argv = [
@@ -27,7 +82,7 @@ def test_bench_async_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str
         "--dir", str(ckpt_dir), "--json", str(json_path),
     ]  # fmt: skip
 
-    assert bench_async.main(argv) == 0
+    assert benchmarks.main(["--mode", "async", *argv]) == 0
 
     report = json.loads(json_path.read_text())
     assert {"command", "argv", "settings", "machine", "results"} <= report.keys()
@@ -94,7 +149,7 @@ def test_bench_async_main_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_disk_floor_reports_a_failed_write_and_stops_its_helper(tmp_path: Path) -> None:
-    from lightning_ckpt.bench.contenders import make_contender
+    from benchmarks.common.contenders import make_contender
 
     contender = make_contender("disk_floor", str(tmp_path))
     try:
@@ -121,9 +176,11 @@ def test_disk_floor_reports_a_failed_write_and_stops_its_helper(tmp_path: Path) 
 
 def test_bench_mode_async_dispatches(monkeypatch: pytest.MonkeyPatch) -> None:
     seen = []
-    monkeypatch.setattr(bench_async, "main", lambda argv: seen.append(argv) or 0)
+    monkeypatch.setattr(package_async, "main", lambda argv: seen.append(("package", argv)) or 0)
+    monkeypatch.setattr(bench_async, "main", lambda argv: seen.append(("benchmarks", argv)) or 0)
     assert bench.main(["--mode", "async", "--size", "1MB"]) == 0
-    assert seen == [["--size", "1MB"]]
+    assert benchmarks.main(["--mode", "async", "--size", "2MB"]) == 0
+    assert seen == [("package", ["--size", "1MB"]), ("benchmarks", ["--size", "2MB"])]
     assert bench.split_mode(["--sizes", "1MB"]) == ("save", ["--sizes", "1MB"])
     assert bench.split_mode(["--json", "--mode", "async"]) == ("async", ["--json"])
     assert bench_async.build_parser().parse_args([]).json_path is None

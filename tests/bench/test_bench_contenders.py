@@ -1,4 +1,5 @@
-"""The benchmarks' contenders, one by one: what their ``teardown`` leaves behind."""
+"""The research benchmarks' contenders (``benchmarks.common.contenders``), one by one: what their
+``teardown`` leaves behind."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 import pytest
 import torch
 
-from lightning_ckpt.bench.contenders import DcpAsync, dcp_process_available
+from benchmarks.common.contenders import DcpAsync, dcp_process_available
 
 
 @pytest.mark.skipif(not dcp_process_available(), reason="this torch has no process-based DCP async_save")

@@ -1,6 +1,7 @@
-"""Where each benchmark mode lives: the package's own (``save``, ``async``) and the repository's
-(benchmarks/, ``python -m benchmarks``), which ``python -m lightning_ckpt bench`` names with where to
-get them: the installed package never imports the repository's code."""
+"""Where each benchmark mode lives: the package's own lean ``save`` and ``async`` and the
+repository's (benchmarks/, ``python -m benchmarks``: their research versions and the research-only
+modes, which ``python -m lightning_ckpt bench`` names with where to get them): the installed package
+never imports the repository's code."""
 
 from __future__ import annotations
 
@@ -18,15 +19,17 @@ from lightning_ckpt import bench
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_repository_modes_are_the_modes_of_benchmarks_and_none_is_in_the_package() -> None:
-    assert set(bench.REPOSITORY_MODES) == set(benchmarks.MODES)
+def test_benchmarks_has_every_mode_and_only_the_package_modes_are_in_the_package() -> None:
+    # benchmarks/: the research versions of the package's modes, and the modes only it has
+    assert set(benchmarks.MODES) == set(bench.MODES) | set(bench.REPOSITORY_MODES)
     assert not set(bench.MODES) & set(bench.REPOSITORY_MODES)
     package = ROOT / "lightning_ckpt" / "bench"
-    for _, (module, _) in benchmarks.MODES.items():
+    for mode, (module, _) in benchmarks.MODES.items():
         assert (ROOT / "benchmarks" / f"{module}.py").is_file()
-        assert not (package / f"{module}.py").exists(), f"{module}.py is in both lightning_ckpt/bench and benchmarks"
-    for _, (module, _) in bench.MODES.items():
-        assert (package / f"{module}.py").is_file()
+        if mode in bench.REPOSITORY_MODES:
+            assert not (package / f"{module}.py").exists(), f"{module}.py is in both lightning_ckpt/bench and benchmarks"
+    for mode, (module, _) in bench.MODES.items():
+        assert (package / f"{module}.py").is_file() and benchmarks.MODES[mode][0] == module
 
 
 def test_python_m_benchmarks_lists_the_modes_and_requires_one(capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,8 +14,8 @@ from helpers import assert_positive_medians
 
 import benchmarks as bench  # python -m benchmarks --mode MODE
 from benchmarks import remote as bench_remote
-from benchmarks.s3 import s3_environment
-from lightning_ckpt.bench import workloads
+from benchmarks.common import workloads
+from benchmarks.common.s3 import s3_environment
 
 pytestmark = [
     pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the benchmark reads Linux /proc"),

@@ -13,8 +13,8 @@ from helpers import assert_positive_medians
 
 import benchmarks
 from benchmarks import train
+from benchmarks.common import arguments
 from lightning_ckpt import bench
-from lightning_ckpt.bench import report
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the benchmark reads Linux /proc")
 
@@ -80,10 +80,10 @@ def test_bench_train_cpu_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 def test_bench_train_arguments(capsys: pytest.CaptureFixture[str]) -> None:
-    assert report.parse_count("1.3B", "--params") == 1_300_000_000
-    assert report.parse_count("350M", "--params") == 350_000_000 and train.parse_count("8000", "--params") == 8000
+    assert arguments.parse_count("1.3B", "--params") == 1_300_000_000
+    assert arguments.parse_count("350M", "--params") == 350_000_000 and train.parse_count("8000", "--params") == 8000
     with pytest.raises(ValueError, match="--params"):
-        report.parse_count("lots", "--params")
+        arguments.parse_count("lots", "--params")
     with pytest.raises(SystemExit):
         benchmarks.main(["--mode", "train", "--device", "cpu", "--contenders", "nope"])
     assert "--contenders" in capsys.readouterr().err

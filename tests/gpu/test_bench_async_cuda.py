@@ -1,4 +1,5 @@
-"""CUDA: the async training-loop benchmark runs every contender with the state on the device."""
+"""CUDA: the async training-loop benchmarks (``python -m benchmarks --mode async`` and the package's
+``python -m lightning_ckpt bench --mode async``) run every contender with the state on the device."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 from helpers import assert_positive_medians
 
-from lightning_ckpt.bench import async_loop as bench_async
+from benchmarks import async_loop as bench_async
+from lightning_ckpt.bench import async_loop as package_async
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,3 +45,24 @@ def test_bench_async_cuda_tiny(tmp_path: Path) -> None:
         assert all(record["next_step_seconds"] is not None for record in run["per_save"][:-1]), name
         assert run["helpers_alive_after_teardown"] == []
     assert_positive_medians(results["plain_copy"]["summary"], "seconds", "GBps")
+
+
+def test_package_bench_async_cuda_tiny(tmp_path: Path) -> None:
+    json_path = tmp_path / "async-cuda.json"
+    argv = [
+        "--device", "cuda", "--size", "24MB", "--repeats", "1", "--saves", "3", "--every", "2", "--warmup", "3",
+        "--compute-ms", "5", "--dir", str(tmp_path / "ckpts"), "--json", str(json_path),
+    ]  # fmt: skip
+
+    assert package_async.main(argv) == 0
+
+    report = json.loads(json_path.read_text())
+    assert report["settings"]["device"] == "cuda" and report["machine"]["cuda"]["device"]
+    results = report["results"]
+    assert results["errors"] == [] and set(results["contenders"]) == {"torch_io", "async_io", "sharded_async", "sharded_sync"}
+    for name, entry in results["contenders"].items():
+        summary = entry["summary"]
+        assert_positive_medians(summary, "baseline_step_median_seconds", "durable_first_seconds", "durable_steady_median_seconds")
+        assert summary["saves"]["median"] == 3, name
+        for record in entry["runs"][0]["per_save"]:
+            assert record["durable_seconds"] >= record["call_seconds"] - 1e-3, (name, record)

@@ -1,5 +1,7 @@
-"""The ``disk_floor`` contender's helper process (``contenders.PlainWrite``): the cheapest writer of
-a checkpoint's bytes. Run by path with ``python -I``; imports only the standard library, so it
+"""Plain sequential writes: the floor the research modes hold a checkpoint's writes against (the
+``plain_write`` rows of ``--mode save``, the disk rows of ``--mode distributed``), and the
+``disk_floor`` contender's helper process (``contenders.PlainWrite``), the cheapest writer of a
+checkpoint's bytes. Run by path with ``python -I``; imports only the standard library, so it
 starts in milliseconds and takes no memory or CPU beyond the writing itself.
 
 Reads ``<path>\\t<nbytes>`` lines from stdin. For each, writes ``nbytes`` (rounded up to 4 KiB)
@@ -18,6 +20,7 @@ import time
 
 ALIGN = 4096  # O_DIRECT alignment of buffer address, offset and length
 DIRECT_CHUNK = 16 * 2**20  # the O_DIRECT writes' size
+BUFFERED_CHUNK = 64 * 2**20  # the buffered writes' size
 
 
 def aligned(nbytes: int) -> int:

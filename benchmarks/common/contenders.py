@@ -1,9 +1,12 @@
-"""The checkpointing methods a training loop saves through (``--mode async``, and ``--mode train`` in benchmarks/).
+"""The checkpointing methods the research training loops save through (``--mode async``,
+``--mode train``): Lightning's ``TorchCheckpointIO`` and ``AsyncCheckpointIO``, ``ShardedCheckpointIO``
+(as the package's ``--mode async`` calls them: ``lightning_ckpt.bench.async_loop``), DCP's
+``async_save`` and ``save``, and ``disk_floor``, a plain write of the same bytes in a helper process.
 
 Every contender is driven the way Lightning drives a ``CheckpointIO``: the loop hands it the
 checkpoint dict and a path between steps (``save``), then asks, without blocking, which saves have
-become durable (``poll``). Contender objects live in the measurement process; each is built,
-used and torn down in one fresh process.
+become durable (``poll``). Contender objects live in the measurement process; each is built, used
+and torn down in one fresh process.
 """
 
 from __future__ import annotations
@@ -18,106 +21,130 @@ from typing import Any
 
 import torch
 
-from lightning_ckpt.bench.files import fsync_file
+from lightning_ckpt.bench.async_loop import CONTENDERS as LIGHTNING_AND_OURS
+from lightning_ckpt.bench.async_loop import fsync_torch_io, sharded_durable
 from lightning_ckpt.format.plan import iter_tensors
+
+CONTENDERS = (*LIGHTNING_AND_OURS, "dcp_async", "dcp_sync", "disk_floor")
 
 
 class Contender:
-    """One checkpointing method, seen by the training loop.
-
-    ``save`` is the blocking call; ``poll`` returns ``(path, durable_at)`` (``perf_counter`` time)
-    for saves that became durable since the last poll, without blocking; ``pending`` says whether
-    a save is still being written.
-    """
+    """One checkpointing method: ``save`` is the blocking call; ``poll`` returns ``(path, durable_at)``
+    (``perf_counter`` time) of the saves durable since the last poll, never blocking."""
 
     asynchronous = False
 
     def __init__(self) -> None:
         self.done: queue.SimpleQueue[tuple[str, float]] = queue.SimpleQueue()
-        self.in_flight: set[str] = set()
+        self.in_flight: set[str] = set()  # saves not yet reported durable
         self.notes: list[str] = []
 
     def save(self, checkpoint: dict[str, Any], path: str) -> None:
         raise NotImplementedError
 
     def prepare(self, nbytes: int, on_device: bool) -> None:
-        """Called once after the first training step, before any save, with the state's size (what
-        ``ShardedModelCheckpoint`` tells its plugin after the first optimizer step)."""
+        """After the first training step, before any save: the state's size (as ``ShardedModelCheckpoint`` says it)."""
 
     def before_update(self) -> None:
-        """Called by the loop right before it updates the state (``optimizer.step``) after a save:
-        a contender whose snapshot may still be in progress waits for it here."""
+        """Right before the loop updates the state after a save: a snapshot still in progress finishes here."""
 
     def poll(self) -> list[tuple[str, float]]:
         finished = []
-        while True:
-            try:
-                path, at = self.done.get_nowait()
-            except queue.Empty:
-                break
-            self.in_flight.discard(path)
-            finished.append((path, at))
+        while not self.done.empty():
+            finished.append(self.done.get())
+            self.in_flight.discard(finished[-1][0])
         return finished
 
     def pending(self) -> bool:
         return bool(self.in_flight)
 
     def helper_pids(self) -> list[int]:
+        """The processes it started (``benchmarks/``' memory and clean-up figures)."""
         return []
 
     def teardown(self) -> None:
         pass
 
 
-def fsync_torch_io(done: queue.SimpleQueue[tuple[str, float]]) -> Any:
-    """A ``TorchCheckpointIO`` whose save fsyncs the file and reports when it was durable."""
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-
-    class FsyncTorchCheckpointIO(TorchCheckpointIO):
-        def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
-            fsync_file(os.fspath(path))
-            done.put((os.fspath(path), time.perf_counter()))
-
-    return FsyncTorchCheckpointIO()
-
-
 class TorchIO(Contender):
+    """Lightning's ``TorchCheckpointIO`` and an fsync of the file: durable when the call returns."""
+
     def __init__(self, run_dir: str) -> None:
         super().__init__()
-        # fsspec's transaction writes a tempfile.mkstemp() file and moves it into place; keep it on
-        # the filesystem under test, so the move is a rename (as py does).
         import tempfile
 
+        # fsspec writes a tempfile.mkstemp() file and moves it into place: on the filesystem under test, a rename
         tempfile.tempdir = run_dir
-        self.io = fsync_torch_io(self.done)
+        self.io = self.wrap(fsync_torch_io(lambda path, at: self.done.put((path, at))))
+
+    def wrap(self, io: Any) -> Any:
+        return io
 
     def save(self, checkpoint: dict[str, Any], path: str) -> None:
         self.in_flight.add(path)
         self.io.save_checkpoint(checkpoint, path)
 
 
-class AsyncIO(Contender):
+class AsyncIO(TorchIO):
+    """Lightning's ``AsyncCheckpointIO`` over :class:`TorchIO`'s: durable when its thread's save and fsync end."""
+
     asynchronous = True
 
-    def __init__(self, run_dir: str) -> None:
-        super().__init__()
-        import tempfile
-
+    def wrap(self, io: Any) -> Any:
         from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO
 
-        tempfile.tempdir = run_dir
-        self.io = AsyncCheckpointIO(fsync_torch_io(self.done))
-
-    def save(self, checkpoint: dict[str, Any], path: str) -> None:
-        self.in_flight.add(path)
-        self.io.save_checkpoint(checkpoint, path)
+        return AsyncCheckpointIO(io)
 
     def poll(self) -> list[tuple[str, float]]:
-        error = getattr(self.io, "_error", None)
-        if error is not None:  # a failed background save never reports durable: fail now
+        if (error := getattr(self.io, "_error", None)) is not None:  # a failed save never reports durable: fail now
             raise RuntimeError(f"AsyncCheckpointIO background save failed: {type(error).__name__}: {error}")
         return super().poll()
+
+    def teardown(self) -> None:
+        self.io.teardown()
+
+
+class Sharded(Contender):
+    """``ShardedCheckpointIO``, sync or async. An async save is durable at its call's start plus
+    ``WriteResult.seconds`` (call -> committed and durable, as the writer process reports it), read
+    from ``io.last_save`` after a call and from ``io.poll()`` between steps."""
+
+    def __init__(self, run_dir: str, asynchronous: bool, max_write_rate: str | None = None) -> None:
+        super().__init__()
+        from lightning_ckpt import ShardedCheckpointIO
+
+        self.asynchronous = asynchronous
+        self.io = ShardedCheckpointIO(async_save=asynchronous, max_write_rate=max_write_rate)
+        self.called: dict[str, float] = {}  # path -> perf_counter when its save call started
+
+    def prepare(self, nbytes: int, on_device: bool) -> None:
+        self.io.prepare_staging(nbytes, on_device)
+
+    def save(self, checkpoint: dict[str, Any], path: str) -> None:
+        path = os.path.abspath(path)
+        self.in_flight.add(path)
+        start = time.perf_counter()
+        # as ShardedModelCheckpoint saves: device copies may overlap the next forward and backward
+        with self.io.overlapping():
+            self.io.save_checkpoint(checkpoint, path)
+        if not self.asynchronous:
+            self.done.put((path, time.perf_counter()))
+            return
+        self.called[path] = start
+        self.harvest([self.io.last_save])  # the call may have collected the previous save's result
+
+    def harvest(self, results: list[Any]) -> None:
+        for durable in sharded_durable(results, self.called):
+            self.done.put(durable)
+
+    def poll(self) -> list[tuple[str, float]]:
+        if self.asynchronous and self.called:
+            self.harvest(self.io.poll())  # never blocks
+        return super().poll()
+
+    def helper_pids(self) -> list[int]:
+        saver = self.io.async_saver if self.asynchronous else None
+        return [] if saver is None or saver.worker.pid is None else [saver.worker.pid]  # the writer process, if started
 
     def teardown(self) -> None:
         self.io.teardown()
@@ -312,59 +339,9 @@ class DcpSync(Contender):
         self.done.put((path, time.perf_counter()))
 
 
-class Sharded(Contender):
-    """``ShardedCheckpointIO``, sync or async. An async save is durable at its call's start plus
-    ``WriteResult.seconds`` (from the save call until committed and durable, as the writer process
-    reports it), read from ``io.last_save`` after a call and from ``io.poll()`` between steps."""
-
-    def __init__(self, run_dir: str, asynchronous: bool, max_write_rate: str | None = None) -> None:
-        super().__init__()
-        from lightning_ckpt import ShardedCheckpointIO
-
-        self.asynchronous = asynchronous
-        self.io = ShardedCheckpointIO(async_save=asynchronous, max_write_rate=max_write_rate)
-        self._called: dict[str, float] = {}  # path -> perf_counter when its save call started
-
-    def prepare(self, nbytes: int, on_device: bool) -> None:
-        self.io.prepare_staging(nbytes, on_device)
-
-    def save(self, checkpoint: dict[str, Any], path: str) -> None:
-        # As ShardedModelCheckpoint saves between two training steps: the device copies of the
-        # optimizer's parameters and state may overlap the next forward and backward.
-        path = os.path.abspath(path)
-        self.in_flight.add(path)
-        start = time.perf_counter()
-        with self.io.overlapping():
-            self.io.save_checkpoint(checkpoint, path)
-        if not self.asynchronous:
-            self.done.put((path, time.perf_counter()))
-            return
-        self._called[path] = start
-        self._harvest([self.io.last_save])  # the call may have collected the previous save's result
-
-    def _harvest(self, results: list[Any]) -> None:
-        for result in results:
-            start = self._called.pop(result.path, None) if result is not None else None
-            if start is not None:  # each save once (last_save and poll() may both report it)
-                self.done.put((result.path, start + result.seconds))
-
-    def poll(self) -> list[tuple[str, float]]:
-        if self.asynchronous and self._called:
-            self._harvest(self.io.poll())  # never blocks
-        return super().poll()
-
-    def helper_pids(self) -> list[int]:
-        saver = self.io.async_saver if self.asynchronous else None
-        pid = None if saver is None else saver.worker.pid  # the writer process, if started
-        return [] if pid is None else [pid]
-
-    def teardown(self) -> None:
-        self.io.teardown()
-
-
 class PlainWrite(Contender):
     """``disk_floor``: the cheapest way to write the checkpoint's bytes in the background. A helper
-    process (``_plain_writer.py``, standard library only, started with the contender) writes as many
+    process (``plain_writer.py``, standard library only, started with the contender) writes as many
     bytes as the state's tensors hold, sequentially from one reused buffer (``O_DIRECT`` where the
     filesystem takes it), then fsyncs. It copies, serialises and hashes nothing and reads no
     training memory, so what the training loop loses while it writes is what writing those bytes
@@ -375,7 +352,7 @@ class PlainWrite(Contender):
 
     def __init__(self) -> None:
         super().__init__()
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_plain_writer.py")
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plain_writer.py")
         self.proc = subprocess.Popen(
             [sys.executable, "-I", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
         )
@@ -421,19 +398,16 @@ class PlainWrite(Contender):
 def make_contender(
     name: str, run_dir: str, max_write_rate: str | None = None, device: str = "cpu", dcp: dict[str, Any] | None = None
 ) -> Contender:
-    """The contender ``name``; ``dcp``: keyword arguments of :class:`DcpAsync` (checkpointer, async_staging)."""
-    if name == "torch_io":
-        return TorchIO(run_dir)
-    if name == "async_io":
-        return AsyncIO(run_dir)
+    """The contender ``name``, one of :data:`CONTENDERS`; ``dcp``: keyword arguments of
+    :class:`DcpAsync` (checkpointer, async_staging)."""
     if name == "dcp_async":
         return DcpAsync(run_dir, device, **(dcp or {}))
     if name == "dcp_sync":
         return DcpSync()
-    if name == "sharded_async":
-        return Sharded(run_dir, asynchronous=True, max_write_rate=max_write_rate)
-    if name == "sharded_sync":
-        return Sharded(run_dir, asynchronous=False)
     if name == "disk_floor":
         return PlainWrite()
-    raise ValueError(f"unknown contender {name!r}")
+    if name in ("sharded_async", "sharded_sync"):
+        return Sharded(run_dir, asynchronous=name == "sharded_async", max_write_rate=max_write_rate)
+    if name in ("torch_io", "async_io"):
+        return TorchIO(run_dir) if name == "torch_io" else AsyncIO(run_dir)
+    raise ValueError(f"unknown contender {name!r} (choose from {', '.join(CONTENDERS)})")
