@@ -55,6 +55,9 @@ test-newest: $(NEWEST_STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "slow or not slow"
 
+# The package's user-facing benchmark (ShardedCheckpointIO's durable save against TorchCheckpointIO).
+# The figures in docs/benchmarks.md come from the research versions, from a checkout:
+# `$(PY) -m benchmarks --mode save|async` (loads, DCP, the disk's floor).
 bench: $(STAMP)
 	$(PY) -m lightning_ckpt bench --json docs/bench-results.json
 
