@@ -261,7 +261,9 @@ def save_line(record: SaveRecord) -> str:
 
 
 def _size(nbytes: int) -> str:
-    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.0f} MB"
+    if nbytes >= 1e9:
+        return f"{nbytes / 1e9:.2f} GB"
+    return f"{nbytes / 1e6:.0f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:.0f} kB"
 
 
 def _seconds(seconds: float) -> str:
