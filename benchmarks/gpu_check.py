@@ -555,6 +555,23 @@ def parse_fragmentation(produced: Produced) -> Parsed:
     return Parsed({"configurations": rows}, summary, "; ".join(problems) or None)
 
 
+def parse_load(produced: Produced) -> Parsed:
+    """``--mode load --device cuda``: per contender the seconds, GB/s and ratio to the disk's read
+    floor of a resume into CUDA parameters and moments (issue 36: ours <= 1.2x)."""
+    rows: dict[str, Any] = {}
+    problems = []
+    for result in _rows(produced.report):
+        for kind, row in result["contenders"].items():
+            rows[f"{result['label']} / {kind}"] = _compact({
+                "seconds": _r(row["seconds"]), "GBps": _r(row["gbps"]), "vs_read_floor": _r(row["vs_read_floor"]),
+                "peak_extra_anon_mb": _r(row["peak_extra_anon_mb"]),
+            })  # fmt: skip
+        problems += result.get("errors") or []
+    ours = {k: v for k, v in rows.items() if k.endswith("/ ShardedCheckpointIO")}
+    summary = "; ".join(f"{k}: {v.get('seconds')} s, {v.get('vs_read_floor')}x the read floor" for k, v in ours.items())
+    return Parsed({"contenders": rows}, summary, "; ".join(problems)[:300] or None)
+
+
 # --- the steps ---------------------------------------------------------------------------------------
 
 
@@ -563,7 +580,8 @@ def _bench(*args: str) -> tuple[str, ...]:
 
 
 def build_steps(env: dict[str, Any]) -> list[Step]:
-    """The steps in the order they run: correctness first, then figures by priority. Sizes are
+    """The steps in the order they run: correctness first, then figures by priority (the steps no
+    GPU has run yet and the async saves before the others an H200 run measured). Sizes are
     chosen for one H100 (80 GB, 16 host cores) within each timeout; ``env`` (the probe) adds the
     per-test timeout where pytest-timeout is installed."""
     # pytest-timeout registers itself (an entry point): naming it with -p again is an error
@@ -580,25 +598,6 @@ def build_steps(env: dict[str, Any]) -> list[Step]:
             240, parse_pytest, from_root=True,
         ),
         Step(
-            "async-saves",
-            "async saves in a training loop with the state on the GPU (1 GB): Lightning TorchCheckpointIO and"
-            " AsyncCheckpointIO, DCP async_save and ShardedCheckpointIO(async_save=True): stall, steps while"
-            " writing, time until durable, memory; one plain pinned copy as the floor",
-            _bench("--mode", "async", "--device", "cuda", "--size", "1GB", "--repeats", "1",
-                   "--saves", "3", "--every", "4", "--warmup", "6", "--timeout", "40",
-                   "--contenders", "torch_io,async_io,dcp_async,sharded_async,plain_copy", "--dir", "{work}/ckpts"),
-            95, parse_async,  # 78 s on an H200
-        ),
-        Step(
-            "offload-optimizers",
-            "the optimizer on a 134M-parameter linear stack (bf16 autocast): AdamW fused on the GPU, ChunkedAdamW,"
-            " FSDP2 CPUOffloadPolicy on one rank, torchao CPUOffloadOptimizer if importable: step time, peak"
-            " device memory, host RSS and page-locked bytes",
-            _bench("--mode", "offload", "--device", "cuda", "--width", "4096", "--layers", "8", "--batch", "4096",
-                   "--chunk-size", "64MiB", "--steps", "3", "--repeats", "1"),
-            25, parse_offload_optimizers,  # 17 s on an H200
-        ),
-        Step(
             "offload-fsdp2",
             "ChunkedAdamW on FSDP2 shards, one GPU (134M parameters, bf16 compute, 32768 tokens per step): shards on"
             " the GPU with fused AdamW on the GPU and with ChunkedAdamW; CPUOffloadPolicy with torch's fused CPU"
@@ -608,12 +607,41 @@ def build_steps(env: dict[str, Any]) -> list[Step]:
             45, parse_offload_fsdp2,
         ),
         Step(
+            "async-saves",
+            "async saves in a training loop with the state on the GPU (1 GB): Lightning TorchCheckpointIO and"
+            " AsyncCheckpointIO, DCP async_save and ShardedCheckpointIO(async_save=True): stall, steps while"
+            " writing, time until durable, memory; one plain pinned copy as the floor",
+            _bench("--mode", "async", "--device", "cuda", "--size", "1GB", "--repeats", "1",
+                   "--saves", "3", "--every", "4", "--warmup", "6", "--timeout", "40",
+                   "--contenders", "torch_io,async_io,dcp_async,sharded_async,plain_copy", "--dir", "{work}/ckpts"),
+            90, parse_async,  # 78 s on an H200
+        ),
+        Step(
+            "load-cuda",
+            "a resume's load into CUDA parameters and moments (512 MB, cold page cache, each in a fresh process):"
+            " the disk's read floor, ShardedCheckpointIO (every byte verified), Lightning TorchCheckpointIO, DCP"
+            " in place: seconds, GB/s, ratio to the floor (target: ours <= 1.2x)",
+            _bench("--mode", "load", "--device", "cuda", "--sizes", "512MB", "--repeats", "1",
+                   "--contenders", "read floor,ShardedCheckpointIO,TorchCheckpointIO,DCP load in place",
+                   "--dir", "{work}/ckpts"),
+            35, parse_load,  # 21 s on the 2-core CPU machine; not yet run on a GPU
+        ),
+        Step(
+            "offload-optimizers",
+            "the optimizer on a 134M-parameter linear stack (bf16 autocast): AdamW fused on the GPU, ChunkedAdamW,"
+            " FSDP2 CPUOffloadPolicy on one rank, torchao CPUOffloadOptimizer if importable: step time, peak"
+            " device memory, host RSS and page-locked bytes",
+            _bench("--mode", "offload", "--device", "cuda", "--width", "4096", "--layers", "8", "--batch", "4096",
+                   "--chunk-size", "64MiB", "--steps", "3", "--repeats", "1"),
+            20, parse_offload_optimizers,  # 17 s on an H200
+        ),
+        Step(
             "offload-save",
             "one async ShardedCheckpointIO save after a step, ChunkedAdamW against AdamW fused (134M parameters on"
             " the GPU): stall, durable, bytes staged in the call, optimizer bytes copied off the device",
             _bench("--mode", "offload", "--save", "--device", "cuda", "--width", "4096", "--layers", "8",
                    "--batch", "1024", "--chunk-size", "64MiB", "--steps", "3", "--repeats", "1"),
-            50, parse_offload_save,  # 34 s on an H200: two writer processes start
+            40, parse_offload_save,  # 34 s on an H200: two writer processes start
         ),
         Step(
             "offload-strategy",
@@ -623,7 +651,7 @@ def build_steps(env: dict[str, Any]) -> list[Step]:
             _bench("--mode", "offload", "--strategy", "--device", "cuda", "--width", "2048", "--layers", "8",
                    "--heads", "16", "--vocab", "8192", "--sequences", "2", "--seq-len", "512", "--budget", "768MB",
                    "--chunk-size", "128MiB", "--prefetch", "2", "--steps", "3", "--repeats", "1"),
-            40, parse_offload_strategy,  # 33 s on an H200
+            37, parse_offload_strategy,  # 33 s on an H200
         ),
         Step(
             "offload-largest",
@@ -632,14 +660,14 @@ def build_steps(env: dict[str, Any]) -> list[Step]:
             _bench("--mode", "offload", "--largest", "--device", "cuda", "--width", "1024", "--heads", "8",
                    "--vocab", "4096", "--sequences", "2", "--seq-len", "512", "--budget", "256MB",
                    "--chunk-size", "32MiB", "--steps", "2", "--max-layers", "16"),
-            40, parse_offload_largest,  # 36 s on an H200
+            38, parse_offload_largest,  # 36 s on an H200
         ),
         Step(
             "fragmentation",
             "emptying the CUDA cache after saves (never / on_pressure / always / expandable segments) in the"
             " fragmenting loop: the step after a save, allocator retries, peak reserved",
             _bench("--mode", "fragmentation", "--loops", "varying", "--steps", "50", "--every", "10"),
-            30, parse_fragmentation,  # 23 s on an H200
+            25, parse_fragmentation,  # 23 s on an H200
         ),
     ]
 

@@ -16,6 +16,9 @@ dropped for the files it reads (``POSIX_FADV_DONTNEED`` after an fsync):
 Reported: seconds (medians of ``--repeats``), GB/s over the bytes each reads, and each load's
 ratio to the read floor of the same bytes (issue 36's target: ours <= 1.2x with every byte
 verified); peak extra RSS and anonymous RSS of the process.
+
+``--device cuda``: the preallocated state is on the GPU (a resume into CUDA parameters and
+moments); each timed load ends with ``torch.cuda.synchronize()``. ``--contenders`` picks some.
 """
 
 from __future__ import annotations
@@ -79,12 +82,21 @@ def _run_task(task: Task) -> Any:
         files = [f for f in files if f.endswith(".safetensors")]
         result = measure(lambda: [load_file(f) for f in files])
         return {**result, "bytes_read": sum(os.path.getsize(f) for f in files)}
-    restored = Restored.zeros(task["size_bytes"])
+    import torch
+
+    device = task.get("device", "cpu")
+    restored = Restored.zeros(task["size_bytes"], device)
+
+    def synchronized(result: Any) -> Any:
+        if device != "cpu":
+            torch.cuda.synchronize()
+        return result
+
     if kind == "DCP load in place":
         import torch.distributed.checkpoint as dcp
 
         target = {"state_dict": restored.params, "optimizer": restored.optimizer}
-        result = measure(lambda: dcp.load(target, checkpoint_id=path))
+        result = measure(lambda: synchronized(dcp.load(target, checkpoint_id=path)))
         return {**result, "bytes_read": sum(os.path.getsize(f) for f in _files(path))}
     if kind == "TorchCheckpointIO":
         from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -95,7 +107,7 @@ def _run_task(task: Task) -> Any:
 
         io = ShardedCheckpointIO()
     copied = []
-    result = measure(lambda: copied.append(restored.copy_from(io.load_checkpoint(path))))
+    result = measure(lambda: synchronized(copied.append(restored.copy_from(io.load_checkpoint(path)))))
     if copied != [restored.tensors]:
         raise RuntimeError(f"copied {copied} tensors, expected {restored.tensors}")
     return {**result, "bytes_read": sum(os.path.getsize(f) for f in _files(path))}
@@ -125,7 +137,9 @@ def _write(task: Task) -> Any:
     return {}
 
 
-def bench_size(label: str, size_bytes: int, repeats: int, folder: str, log: Any) -> dict[str, Any]:
+def bench_size(
+    label: str, size_bytes: int, repeats: int, folder: str, log: Any, device: str = "cpu", contenders: tuple[str, ...] = CONTENDERS
+) -> dict[str, Any]:
     paths = {k: os.path.join(folder, f"{label}-{k}.ckpt") for k in ("ours", "torch", "dcp")}
     log(f"[{label}] writing the checkpoint in each format")
     run_in_fresh_process({"kind": "write", "path": folder, "size_bytes": size_bytes, "paths": paths}, _run_task)
@@ -134,6 +148,8 @@ def bench_size(label: str, size_bytes: int, repeats: int, folder: str, log: Any)
         "TorchCheckpointIO": paths["torch"], "DCP load in place": paths["dcp"],
         "safetensors load_file (model)": paths["ours"],
     }  # fmt: skip
+    floors = ("floor buffered", "floor direct") if "read floor" in contenders else ()
+    kinds = {k: v for k, v in kinds.items() if k in contenders or k in floors}
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
     errors = []
     try:
@@ -141,7 +157,8 @@ def bench_size(label: str, size_bytes: int, repeats: int, folder: str, log: Any)
             for kind, path in kinds.items():  # alternating: each repeat runs every contender once
                 log(f"[{label} {r + 1}/{repeats}] {kind}")
                 try:
-                    runs[kind].append(run_in_fresh_process({"kind": kind, "path": path, "size_bytes": size_bytes}, _run_task))
+                    task = {"kind": kind, "path": path, "size_bytes": size_bytes, "device": device}
+                    runs[kind].append(run_in_fresh_process(task, _run_task))
                 except RuntimeError as err:
                     errors.append(f"{kind}: {str(err).splitlines()[0][:300]}")
     finally:
@@ -164,7 +181,7 @@ def _summarize(label: str, size_bytes: int, runs: dict[str, list[dict[str, Any]]
             "peak_extra_rss_mb": median(kind, "peak_rss_mb"), "peak_extra_anon_mb": median(kind, "peak_rss_anon_mb"),
             "errors": [r["error"] for r in runs[kind] if "error" in r],
         }  # fmt: skip
-    floor_gbps = max((rows[k]["gbps"] for k in ("floor buffered", "floor direct") if rows[k]["gbps"]), default=None)
+    floor_gbps = max((rows[k]["gbps"] for k in ("floor buffered", "floor direct") if k in rows and rows[k]["gbps"]), default=None)
     for row in rows.values():
         # the seconds against what the floor takes for the same bytes
         floor_seconds = row["bytes_read"] / (floor_gbps * 1e9) if floor_gbps and row["bytes_read"] else None
@@ -192,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sizes", default="1GB", help="state sizes, comma separated (default 1GB)")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per contender (default 3)")
     parser.add_argument("--dir", default=DEFAULT_DIR, help=f"where the checkpoints are written (default ./{DEFAULT_DIR})")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the resumed state lives (default cpu)")
+    parser.add_argument(
+        "--contenders", default=",".join(CONTENDERS), help=f"comma separated, of: {', '.join(CONTENDERS)} (default all)"
+    )
     add_json_argument(parser)
     return parser
 
@@ -203,10 +224,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         print(f"--mode load: `--repeats {args.repeats}` must be at least 1.", file=sys.stderr)
         return 2
+    contenders = tuple(c.strip() for c in args.contenders.split(",") if c.strip())
+    unknown = [c for c in contenders if c not in CONTENDERS]
+    if unknown or not contenders:
+        print(f"--mode load: `--contenders {args.contenders}`: {unknown or 'none'}; choose among {', '.join(CONTENDERS)}.", file=sys.stderr)
+        return 2
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("--mode load: `--device cuda` needs a CUDA device; torch.cuda.is_available() is False.", file=sys.stderr)
+            return 2
     started = time.time()
     log = stderr_logger()
     with run_directory(args.dir) as folder:
-        results = [bench_size(label, size, args.repeats, folder, log) for label, size in _parse_sizes(args.sizes)]
+        results = [
+            bench_size(label, size, args.repeats, folder, log, args.device, contenders)
+            for label, size in _parse_sizes(args.sizes)
+        ]
         machine = machine_info(folder)
     settings = {k: v for k, v in vars(args).items() if k != "json_path"}
     report = {**report_header(argv, started), "settings": settings, "machine": machine, "results": results}

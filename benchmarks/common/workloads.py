@@ -25,11 +25,16 @@ class Restored:
     optimizer: dict[int, dict[str, torch.Tensor]]
 
     @classmethod
-    def zeros(cls, size_bytes: int) -> Restored:
+    def zeros(cls, size_bytes: int, device: str = "cpu") -> Restored:
+        """On ``device`` (the step counts stay on the CPU, as AdamW keeps them)."""
         layout = model_layout(size_bytes // 3)
-        params = {name: torch.zeros(shape) for name, shape in layout}
+        params = {name: torch.zeros(shape, device=device) for name, shape in layout}
         optimizer = {
-            i: {"step": torch.zeros(()), "exp_avg": torch.zeros(shape), "exp_avg_sq": torch.zeros(shape)}
+            i: {
+                "step": torch.zeros(()),
+                "exp_avg": torch.zeros(shape, device=device),
+                "exp_avg_sq": torch.zeros(shape, device=device),
+            }
             for i, (_, shape) in enumerate(layout)
         }
         return cls(params, optimizer)

@@ -192,6 +192,7 @@ def test_a_tier_that_only_skipped_is_skipped_not_passed(tmp_path: Path) -> None:
         (gpu_check.parse_offload_largest, "bench-offload-largest-results.json", ("contenders", "ChunkedOffloadStrategy", "largest_layers")),
         (gpu_check.parse_offload_fsdp2, "bench-offload-fsdp2-results.json", ("contenders", "FSDP2 + ChunkedAdamW", "step_s")),
         (gpu_check.parse_fragmentation, "bench-fragmentation-results.json", ("configurations", "varying / never / expandable", "alloc_retries_per_100_steps")),
+        (gpu_check.parse_load, "bench-load-results.json", ("contenders", "1GB / ShardedCheckpointIO", "vs_read_floor")),
     ],
 )
 def test_the_figures_are_read_from_the_benchmarks_recorded_reports(parse, report, figure) -> None:
