@@ -34,6 +34,7 @@ import json
 import os
 import re
 import secrets
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -396,9 +397,10 @@ def fetch(url: str, options: RemoteOptions, dest: str) -> str:
         tmp = writer.TempDir(dest)
         try:
             ranged = _ranged_download_jobs(fs, committed, options, url, tmp.path)
-            parallel([each for jobs, _ in ranged.values() for each in jobs], options.concurrency)  # by ranges
-            checks = [check for _, check in ranged.values()]
-            parallel(checks + _download_jobs(fs, committed, options, url, tmp.path, skip=set(ranged)), options.concurrency)
+            ranges = [each for jobs, _ in ranged.values() for each in jobs]
+            # Every range and every other object at once, hashed as they arrive; then the digests.
+            parallel(ranges + _download_jobs(fs, committed, options, url, tmp.path, skip=set(ranged)), options.concurrency)
+            parallel([check for _, check in ranged.values()], options.concurrency)
             with open(os.path.join(tmp.path, fmt.MANIFEST_FILE), "wb") as f:
                 f.write(committed.manifest_bytes)
             writer.commit(tmp.path, dest)
@@ -456,10 +458,10 @@ def _ranged_download_jobs(
     fs: AbstractFileSystem, committed: Committed, options: RemoteOptions, url: str, into: str
 ) -> dict[str, tuple[list[Callable[[], None]], Callable[[], None]]]:
     """S3, plain files of more than one part: {file: (range jobs, check)}. Each range job fetches
-    one part-sized range and writes it at its offset (one part in memory per range in flight), so
-    the ranges of all files download in parallel; ``check``, run after every range landed, hashes
-    the file in order against the manifest. Compressed objects (one zstd frame) stream in order
-    instead (``download``)."""
+    one part-sized range, writes it at its offset (one part in memory per range in flight) and
+    hands it to the file's ``_InOrderDigest``, so the ranges of all files download in parallel and
+    are hashed as they arrive; ``check``, run after every range landed, compares the digest with
+    the manifest's. Compressed objects (one zstd frame) stream in order instead (``download``)."""
     if not hasattr(fs, "call_s3"):
         return {}
     part = options.part_size
@@ -472,7 +474,9 @@ def _ranged_download_jobs(
         with open(local, "wb") as f:
             f.truncate(record.size)
 
-        def fetch_range(path: str = path, local: str = local, start: int = 0, end: int = 0) -> None:
+        digest = _InOrderDigest(local, committed.manifest.checksum)
+
+        def fetch_range(path: str = path, local: str = local, start: int = 0, end: int = 0, digest: _InOrderDigest = digest) -> None:
             data = fs.cat_file(path, start=start, end=end)
             fd = os.open(local, os.O_WRONLY)
             try:
@@ -482,23 +486,64 @@ def _ranged_download_jobs(
                     view, offset = view[written:], offset + written
             finally:
                 os.close(fd)
+            digest.landed(start, data)
 
         ranges = [
             job(fetch_range, path, local, start, min(start + part, record.size), what=f"Reading {name!r} at {start}")
             for start in range(0, record.size, part)
         ]
 
-        def check(local: str = local, record: fmt.FileRecord = record, name: str = name, path: str = path) -> None:
-            digest = fmt.hasher(committed.manifest.checksum)
-            size = 0
-            with open(local, "rb", buffering=0) as f:
-                while chunk := f.read(PIECE):
-                    digest.update(chunk)
-                    size += len(chunk)
-            check_object(url, name, path, size, digest.hexdigest(), record, committed.manifest.checksum)
+        def check(record: fmt.FileRecord = record, name: str = name, path: str = path, digest: _InOrderDigest = digest) -> None:
+            size, found = digest.result()
+            check_object(url, name, path, size, found, record, committed.manifest.checksum)
 
         found[name] = (ranges, check)
     return found
+
+
+class _InOrderDigest:
+    """A file's digest computed while its ranges land, in any order: a range that extends the
+    hashed prefix is hashed from memory at once, and so, read back from the file (just written:
+    the page cache), are the ranges that landed beyond it before. Thread-safe."""
+
+    def __init__(self, local: str, algorithm: str) -> None:
+        self.local = local
+        self.hasher = fmt.hasher(algorithm)
+        self.hashed = 0  # bytes [0, hashed) are in the digest
+        self.ahead: dict[int, int] = {}  # ranges landed beyond the prefix: start -> end
+        self.lock = threading.Lock()
+
+    def landed(self, start: int, data: bytes) -> None:
+        """Bytes ``data`` at ``start`` are in the file (a retried range may land again: ignored)."""
+        with self.lock:
+            if start < self.hashed or start in self.ahead:
+                return
+            if start > self.hashed:
+                self.ahead[start] = start + len(data)
+                return
+            self.hasher.update(data)
+            self.hashed += len(data)
+            self._catch_up()
+
+    def _catch_up(self) -> None:
+        while self.hashed in self.ahead:
+            end = self.ahead.pop(self.hashed)
+            with open(self.local, "rb", buffering=0) as f:
+                f.seek(self.hashed)
+                while self.hashed < end and (chunk := f.read(min(PIECE, end - self.hashed))):
+                    self.hasher.update(chunk)
+                    self.hashed += len(chunk)
+
+    def result(self) -> tuple[int, str]:
+        """(bytes hashed, digest) once every range landed; a gap left hashes the file from there."""
+        with self.lock:
+            self.ahead.clear()
+            with open(self.local, "rb", buffering=0) as f:
+                f.seek(self.hashed)
+                while chunk := f.read(PIECE):
+                    self.hasher.update(chunk)
+                    self.hashed += len(chunk)
+            return self.hashed, self.hasher.hexdigest()
 
 
 def listing(url: str, depth: int, options: RemoteOptions) -> list[str]:

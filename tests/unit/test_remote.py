@@ -351,3 +351,24 @@ def test_incremental_remote_saves_copy_on_the_server_and_survive_a_removed_sourc
         loaded = load_checkpoint(url)
         assert all(torch.equal(loaded["state_dict"][k], v) for k, v in states[url]["state_dict"].items())
     io.teardown()
+
+
+def test_ranges_are_hashed_in_order_as_they_land_in_any_order(tmp_path):
+    from lightning_ckpt.format import manifest as fmt
+    from lightning_ckpt.remote.commit import _InOrderDigest
+
+    data = os.urandom(10_000)
+    local = tmp_path / "f"
+    local.write_bytes(data)  # as the range jobs leave it: each range written before it lands
+    expected = fmt.digest(data, "xxh3_64")
+    for order in ([0, 1, 2, 3, 4], [4, 3, 2, 1, 0], [2, 0, 4, 1, 3], [1, 1, 0, 0, 3, 2, 4]):  # duplicates: retries
+        digest = _InOrderDigest(str(local), "xxh3_64")
+        for i in order:
+            digest.landed(i * 2000, data[i * 2000 : (i + 1) * 2000])
+            assert not digest.ahead or min(digest.ahead) > digest.hashed
+        assert digest.hashed == len(data)  # everything hashed as it landed, nothing left for the end
+        assert digest.result() == (len(data), expected)
+    gap = _InOrderDigest(str(local), "xxh3_64")  # a range never landed (cut short): read from the file
+    gap.landed(0, data[:2000])
+    gap.landed(4000, data[4000:6000])
+    assert gap.result() == (len(data), expected)
