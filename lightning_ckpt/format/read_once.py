@@ -7,7 +7,10 @@ agree without talking), each rank reads and hashes its own files (``read_file``:
 reads, ``O_DIRECT`` where the filesystem takes it), the ranks agree on success in one
 ``all_gather_object`` (a damaged file is named on every rank, none waits on a broadcast that never
 comes), and each file is broadcast from its reader over the process group (``broadcast_file``:
-through the device in blocks where the backend needs one, NCCL).
+through the device in blocks where the backend needs one, NCCL). Before that, one more
+``all_gather_object`` makes sure every rank opened the same checkpoint (the same manifest).
+Every failure is raised alike on every rank (``_raise_agreed``), so no rank is left in a
+collective the others left.
 
 Every rank of ``group`` must call :func:`load_read_once` together (Lightning's restore does).
 """
@@ -15,6 +18,7 @@ Every rank of ``group`` must call :func:`load_read_once` together (Lightning's r
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import mmap
 import os
 from dataclasses import dataclass
@@ -29,10 +33,10 @@ from lightning_ckpt.format import manifest as fmt
 from lightning_ckpt.format.reader import (
     MapLocation,
     OpenedDir,
-    Shard,
     Tensors,
     checked_tree,
     decode,
+    is_committed,
     shard_names,
     shard_of,
 )
@@ -108,9 +112,10 @@ def read_file(directory: OpenedDir, name: str, size: int, algorithm: str | None)
             except InterruptedError:
                 continue
             except OSError as err:
-                if not direct or err.errno != 22:  # EINVAL: the filesystem refuses O_DIRECT reads
+                if not direct or err.errno != errno.EINVAL:  # the filesystem refuses O_DIRECT reads
                     raise
                 os.close(fd)
+                fd = -1  # closed: never closed again below, whatever the reopen does
                 fd, direct = directory.open(name), False
                 continue
             if n == 0:
@@ -129,27 +134,30 @@ def read_file(directory: OpenedDir, name: str, size: int, algorithm: str | None)
         buffer.close()
         raise
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
     view.release()
     return buffer, None if running is None else running.hexdigest()
 
 
 def broadcast_file(buffer: mmap.mmap, size: int, src: int, group: Any) -> None:
-    """Every rank's ``buffer`` holds rank ``src``'s first ``size`` bytes after this, sent in
-    blocks; through a reused device buffer when the backend carries device tensors only (NCCL)."""
+    """Every rank's ``buffer`` holds the first ``size`` bytes of rank ``src``'s (a rank of
+    ``group``) after this, sent in blocks; through a reused device buffer when the backend carries
+    device tensors only (NCCL)."""
     data = torch.frombuffer(buffer, dtype=torch.uint8, count=size) if size else torch.empty(0, dtype=torch.uint8)
     device = _collective_device(group)
     bounce = None if device.type == "cpu" else torch.empty(min(size, _BLOCK), dtype=torch.uint8, device=device)
-    mine = dist.get_rank() == src
+    mine = dist.get_rank(group) == src
+    source = src if group is None else dist.get_global_rank(group, src)  # broadcast takes global ranks
     for start in range(0, size, _BLOCK):
         block = data[start : start + _BLOCK]
         if bounce is None:
-            dist.broadcast(block, src=src, group=group)
+            dist.broadcast(block, src=source, group=group)
             continue
         staged = bounce[: block.numel()]
         if mine:
             staged.copy_(block)
-        dist.broadcast(staged, src=src, group=group)
+        dist.broadcast(staged, src=source, group=group)
         if not mine:
             block.copy_(staged)
 
@@ -162,24 +170,33 @@ def _collective_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _agree(failure: BaseException | None, group: Any) -> None:
-    """One collective: raise on every rank if any rank failed (the first failing rank's error, as
-    its type with its message and file where it is ours), so no rank waits on a broadcast from a
-    rank that stopped."""
-    said = None if failure is None else (type(failure).__name__, str(failure), getattr(failure, "file", None))
+def _gathered(value: Any, group: Any) -> list[Any]:
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, said, group=group)
-    if failure is not None:
-        raise failure
-    for rank, other in enumerate(everyone):
-        if other is None:
-            continue
-        kind, message, file = other
-        if kind == CheckpointNotFoundError.__name__:
-            raise CheckpointNotFoundError(message)
-        if kind == CorruptCheckpointError.__name__:
-            raise CorruptCheckpointError(message, None, file)
-        raise CheckpointError(f"rank {rank} failed to load its share of the checkpoint: {kind}: {message}")
+    dist.all_gather_object(everyone, value, group=group)
+    return everyone
+
+
+def _said(failure: BaseException | None) -> tuple[str, str, str | None] | None:
+    return None if failure is None else (type(failure).__name__, str(failure), getattr(failure, "file", None))
+
+
+def _raise_agreed(path: str, everyone: list[Any], failure: BaseException | None) -> None:
+    """Raise on every rank the same error, the lowest failing rank's (``everyone``: each rank's
+    ``_said``), as its type where it is one a resume falls back on (a damaged or missing
+    checkpoint: every rank then moves to the same older one), else as a ``CheckpointError``: no
+    rank goes on to a collective the others left."""
+    failing = [(rank, said) for rank, said in enumerate(everyone) if said is not None]
+    if not failing:
+        return
+    rank, (kind, message, file) = failing[0]
+    agreed: CheckpointError
+    if kind == CorruptCheckpointError.__name__:
+        agreed = CorruptCheckpointError(message, path, file)
+    elif kind == CheckpointNotFoundError.__name__:
+        agreed = CheckpointNotFoundError(message, path)
+    else:
+        agreed = CheckpointError(f"rank {rank} could not read its share of {path!r}: {kind}: {message}", path)
+    raise agreed from failure
 
 
 def load_read_once(
@@ -188,36 +205,108 @@ def load_read_once(
     weights_only: bool | None,
     verify: bool,
     group: Any = None,
-) -> tuple[dict[Any, Any], ReadOnce]:
+) -> tuple[dict[Any, Any], ReadOnce] | None:
     """Load the checkpoint directory ``path`` on every rank of ``group`` (the default group when
     ``None``), each shard file read from storage by one rank and broadcast; the dict, and what
-    this rank read. ``verify``: each reader hashes its files as it reads them."""
+    this rank read. ``verify``: each reader hashes its files as it reads them. ``None`` when no
+    rank finds a committed checkpoint directory of ours there (a legacy file, a DCP folder,
+    nothing): every rank then loads it the ordinary way.
+
+    The ranks first agree that they opened the same checkpoint (the same manifest): one replaced
+    meanwhile (``last.ckpt``'s atomic exchange) is opened again by every rank.
+    """
+    for _ in range(_ATTEMPTS):
+        opened = _open_agreed(path, verify, group)
+        if opened is None:
+            return None
+        if opened is _AGAIN:
+            continue
+        directory, manifest, tree, small_bytes = opened
+        try:
+            return _load_agreed(directory, manifest, tree, small_bytes, map_location, weights_only, verify, group)
+        finally:
+            directory.__exit__()
+    raise CheckpointError(
+        f"{path!r} was replaced {_ATTEMPTS} times while the ranks opened it (another job saving there?); the ranks"
+        " could not agree on one checkpoint to load.",
+        path,
+    )
+
+
+_AGAIN: Any = object()  # the ranks opened different checkpoints at the path: open it again
+_ATTEMPTS = 20
+
+
+def _open_agreed(path: str, verify: bool, group: Any) -> Any:
+    """(directory, manifest, tree, small bytes) opened alike on every rank; ``None`` when no rank
+    sees a checkpoint of ours; ``_AGAIN`` when they saw different ones. One collective."""
+    directory: OpenedDir | None = None
+    key = failure = None
+    opened: Any = None
+    if is_committed(path):
+        try:
+            directory = OpenedDir(path)
+            manifest, tree, small_bytes = checked_tree(directory, verify)
+            opened = (directory, manifest, tree, small_bytes)
+            key = fmt.digest(manifest.to_bytes())
+        except BaseException as err:  # agreed on below, then raised
+            failure = err
+    everyone = _gathered((key, _said(failure)), group)
+    keys = {k for k, _ in everyone}
+    outcome = opened
+    try:
+        _raise_agreed(path, [said for _, said in everyone], failure)
+        if keys == {None}:
+            outcome = None
+        elif None in keys:
+            seen = [rank for rank, (k, _) in enumerate(everyone) if k is not None]
+            raise CheckpointError(
+                f"{path!r} is a checkpoint for ranks {seen} only; the others see none there. Every rank must see the"
+                " same checkpoint folder (a filesystem shared by every node), or pass"
+                " `ShardedCheckpointIO(read_once=False)`.",
+                path,
+            )
+        elif len(keys) > 1:
+            outcome = _AGAIN
+    finally:
+        if outcome is not opened and directory is not None:
+            directory.__exit__()
+    return outcome
+
+
+def _load_agreed(
+    directory: OpenedDir,
+    manifest: fmt.Manifest,
+    tree: Any,
+    small_bytes: int,
+    map_location: MapLocation,
+    weights_only: bool | None,
+    verify: bool,
+    group: Any,
+) -> tuple[dict[Any, Any], ReadOnce]:
+    """Read this rank's share, agree on it (one collective), broadcast every file, decode."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    shard_files = [n for n in manifest.files if n in shard_names(manifest)]
+    owners = spread({n: manifest.files[n].size for n in shard_files}, world_size)
+    mine = [n for n in shard_files if owners[n] == rank]
     buffers: dict[str, mmap.mmap] = {}
     failure: BaseException | None = None
-    directory: OpenedDir | None = None
     try:
-        directory = OpenedDir(path)
-        manifest, tree, small_bytes = checked_tree(directory, verify)
-        shard_files = [n for n in manifest.files if n in shard_names(manifest)]
-        owners = spread({n: manifest.files[n].size for n in shard_files}, world_size)
-        mine = [n for n in shard_files if owners[n] == rank]
         buffers.update(_read_own(directory, manifest, mine, verify))
     except BaseException as err:  # agreed on below, then raised
         failure = err
+    _raise_agreed(directory.path, _gathered(_said(failure), group), failure)
     try:
-        _agree(failure, group)
-        assert directory is not None
         for name in shard_files:
             if name not in buffers:
                 buffers[name] = _buffer(manifest.files[name].size)
             broadcast_file(buffers[name], manifest.files[name].size, owners[name], group)
-        shards: dict[str, Shard] = {name: shard_of(directory, name, buffers[name], manifest.files[name].size) for name in shard_files}
+        shards = {name: shard_of(directory, name, buffers[name], manifest.files[name].size) for name in shard_files}
         tensors = Tensors(directory, manifest, map_location, shards, verify_each=False)
         checkpoint = decode(directory, manifest, tree, tensors.tensor, map_location, weights_only)
-    finally:
-        if directory is not None:
-            directory.__exit__()
+    except BaseException:
+        buffers.clear()  # the error may be kept (a resume falling back): not the checkpoint's bytes with it
+        raise
     read = small_bytes + sum(manifest.files[n].size for n in mine)
     return checkpoint, ReadOnce(read, manifest.total_bytes, len(mine))
 

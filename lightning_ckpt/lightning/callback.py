@@ -68,8 +68,11 @@ from lightning_ckpt.lightning.release import (
 from lightning_ckpt.lightning.resume import listing
 from lightning_ckpt.lightning.schedule import TimeSchedule
 from lightning_ckpt.lightning.strategies import (
+    collective_restores,
     enable_sharded_checkpoints,
+    end_collective_restores,
     prepare_staging,
+    restored_load,
     save_from_ranks,
     sharded_io,
 )
@@ -185,7 +188,6 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         self.release_threshold_mb = release_threshold_mb
         self._memory_after_save: MemoryStats | None = None  # allocator counters at the previous save
         self._staging_prepared = False  # once per fit (see ``strategies.prepare_staging``)
-        self._load_before: Optional[LoadRecord] = None  # the plugin's last load when the run set up
         self.load_record: Optional[LoadRecord] = None  # the load of the run's restore (``_restored``)
         self._overlap = False  # inside ``_between_steps``
         self.metrics_file = metrics_file
@@ -228,9 +230,8 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         plugin = features(trainer.strategy.checkpoint_io)
         if plugin is not None:  # frozen weights in shards of their own, for incremental saves
             plugin.track_frozen(pl_module)
-            # Every rank runs the restore that follows: its load may read once (``read_once``).
-            plugin.expect_collective_load(trainer.world_size, trainer.num_nodes)
-            self._load_before = plugin.last_load
+        # Every rank runs the restore that follows: its load may read once (``read_once``).
+        collective_restores(trainer)
         # Before the strategy restores (Trainer._run: callbacks' setup, then strategy.setup, then the
         # restore): a stock ModelParallelStrategy / FSDPStrategy resumes from our checkpoints.
         enable_sharded_checkpoints(trainer.strategy)
@@ -264,9 +265,7 @@ class ShardedModelCheckpoint(ModelCheckpoint):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        plugin = features(trainer.strategy.checkpoint_io)
-        if plugin is not None:  # a run that failed before its first batch: no collective load left armed
-            plugin.end_collective_load()
+        end_collective_restores(trainer)
         if self._load_hook is not None:
             self._load_hook.remove()
             self._load_hook = None
@@ -303,16 +302,14 @@ class ShardedModelCheckpoint(ModelCheckpoint):
         self._restored(trainer)
 
     def _restored(self, trainer: pl.Trainer) -> None:
-        """After the Trainer's restore: no later load is collective, and the restore's own load
-        (if any) is logged as ``ckpt/load_s``, ``ckpt/load_gbps`` and ``ckpt/load_read_gb``."""
-        plugin = features(trainer.strategy.checkpoint_io)
-        if plugin is None:
+        """After the Trainer's restore: its load (if any) is ``load_record``, logged once (by the
+        first callback here) as ``ckpt/load_s``, ``ckpt/load_gbps`` and ``ckpt/load_read_gb``."""
+        record, first = restored_load(trainer)
+        if record is None:
             return
-        plugin.end_collective_load()
-        record = plugin.last_load
-        if record is None or record is self._load_before:
+        self.load_record = record
+        if not first:
             return
-        self._load_before = self.load_record = record
         if self.verbose and trainer.is_global_zero:
             Console(soft_wrap=True).print(record.line())
         for logger in trainer.loggers:

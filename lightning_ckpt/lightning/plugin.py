@@ -35,7 +35,6 @@ from lightning_ckpt.errors import (
 )
 from lightning_ckpt.format.plan import Stable, parse_size
 from lightning_ckpt.format.read_once import ReadOnce, load_read_once
-from lightning_ckpt.format.reader import is_committed
 from lightning_ckpt.functional import (  # re-exported: ``lightning_ckpt.io.X`` (the old path) keeps working
     DEFAULT_MAX_SHARD_SIZE,
     load_checkpoint,
@@ -98,7 +97,6 @@ class CheckpointIOFeatures(Protocol):
     loaded_instead: tuple[str, str] | None
     skipped_saves: int
     last_save: WriteResult | None
-    last_load: LoadRecord | None
 
     def overlapping(self) -> AbstractContextManager[None]: ...
 
@@ -113,10 +111,6 @@ class CheckpointIOFeatures(Protocol):
     def resume_last(self, found: set[str], depth: int) -> None: ...
 
     def track_frozen(self, module: torch.nn.Module) -> None: ...
-
-    def expect_collective_load(self, world_size: int, num_nodes: int) -> None: ...
-
-    def end_collective_load(self) -> None: ...
 
 
 class ShardedCheckpointIO(CheckpointIO):
@@ -273,7 +267,8 @@ class ShardedCheckpointIO(CheckpointIO):
         self.spread_writes = self.options.spread_writes
         self.read_once = self.options.read_once
         # (world_size, num_nodes) while the next load is the Trainer's restore on every rank
-        # (``expect_collective_load``): only then may a load run collectives (``read_once``).
+        # (``expect_collective_load``, consumed by that load): only then may a load run
+        # collectives (``read_once``).
         self._collective_load: tuple[int, int] | None = None
         self.last_load: LoadRecord | None = None  # the latest load: seconds, bytes, GB/s
         self._frozen_source: Optional[Callable[[], Optional[frozenset[str]]]] = None  # see ``track_frozen``
@@ -484,11 +479,12 @@ class ShardedCheckpointIO(CheckpointIO):
         read: dict[str, ReadOnce] = {}
 
         def load(candidate: str) -> dict[str, Any]:
-            local = savejob.local_path(candidate)
-            if not (reads_once and is_committed(local)):  # legacy files and DCP folders: every rank reads
-                return load_checkpoint(candidate, map_location, weights_only, verify=verify)
-            checkpoint, read[candidate] = load_read_once(local, map_location, weights_only, verify)
-            return checkpoint
+            if reads_once:  # a collective: every rank, alike (legacy files and DCP folders: None)
+                loaded = load_read_once(savejob.local_path(candidate), map_location, weights_only, verify)
+                if loaded is not None:
+                    checkpoint, read[candidate] = loaded
+                    return checkpoint
+            return load_checkpoint(candidate, map_location, weights_only, verify=verify)
 
         checkpoint = self.load_resolved(path, load)
         loaded = self.loaded_instead[1] if self.loaded_instead is not None else os.fspath(path)
@@ -503,9 +499,10 @@ class ShardedCheckpointIO(CheckpointIO):
 
     def expect_collective_load(self, world_size: int, num_nodes: int) -> None:
         """The next load is the Trainer's restore, which every rank of the run calls together
-        (``ShardedModelCheckpoint.setup`` says so; ``end_collective_load`` takes it back), so it
-        may read once and broadcast (``read_once``). Outside that window no load runs a
-        collective: a load called on one rank alone never waits for the others."""
+        (``ShardedModelCheckpoint`` arms it right inside Lightning's ``resume_start``:
+        ``strategies.collective_restores``; ``end_collective_load`` takes it back), so it may
+        read once and broadcast (``read_once``). Outside that window no load runs a collective: a
+        load called on one rank alone never waits for the others."""
         self._collective_load = (world_size, num_nodes)
 
     def end_collective_load(self) -> None:
@@ -547,7 +544,9 @@ class ShardedCheckpointIO(CheckpointIO):
             except (CorruptCheckpointError, CheckpointNotFoundError) as err:
                 if candidate is candidates[-1]:
                     raise
-                skipped.append((candidate, err))  # every rank reads the same bytes: all skip it
+                # Every rank reads the same bytes: all skip it. Without its frames: they may hold
+                # what was read of it (a read-once load's buffers), while the next one loads.
+                skipped.append((candidate, err.with_traceback(None)))
                 continue
             if candidate != asked:
                 self.loaded_instead = (asked, candidate)

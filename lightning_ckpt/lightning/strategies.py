@@ -21,6 +21,7 @@ save). Two ways in, one loader (:func:`load_in_place`) and one saver (:func:`sav
 """
 
 import os
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Optional
@@ -46,6 +47,52 @@ from lightning_ckpt.lightning.plugin import CheckpointIOFeatures, ShardedCheckpo
 from lightning_ckpt.offload.shares import own_shares
 from lightning_ckpt.remote import is_remote
 from lightning_ckpt.save.staging import optimizer_state_tensors, staging_need
+
+
+# Per trainer, the load its latest restore made (``collective_restores``): logged once, by
+# whichever ``ShardedModelCheckpoint`` gets there first (``restored_load``).
+_RESTORED: weakref.WeakKeyDictionary[pl.Trainer, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def collective_restores(trainer: pl.Trainer) -> None:
+    """Let the plugin's load inside Lightning's restore (``_CheckpointConnector.resume_start``,
+    which every rank runs together) be a collective one (``ShardedCheckpointIO(read_once=...)``),
+    and no other load: one a user's code makes on one rank alone never waits for the others.
+    Undone by :func:`end_collective_restores`. Idempotent (several callbacks)."""
+    io = trainer.strategy.checkpoint_io
+    arm = getattr(io, "expect_collective_load", None)
+    connector = trainer._checkpoint_connector
+    if arm is None or "resume_start" in vars(connector):
+        return
+    original = connector.resume_start
+
+    def resume_start(*args: Any, **kwargs: Any) -> None:
+        before = getattr(io, "last_load", None)
+        arm(trainer.world_size, trainer.num_nodes)
+        try:
+            original(*args, **kwargs)
+        finally:
+            io.end_collective_load()
+        record = getattr(io, "last_load", None)
+        if record is not None and record is not before:
+            _RESTORED[trainer] = {"record": record, "logged": False}
+
+    connector.resume_start = resume_start
+
+
+def end_collective_restores(trainer: pl.Trainer) -> None:
+    """Undo :func:`collective_restores` (the connector's own method again)."""
+    vars(trainer._checkpoint_connector).pop("resume_start", None)
+
+
+def restored_load(trainer: pl.Trainer) -> tuple[Any, bool]:
+    """(the record of the latest restore's load or ``None``, whether this is the first call to
+    see it: it is then to be logged)."""
+    found = _RESTORED.get(trainer)
+    if found is None:
+        return None, False
+    first, found["logged"] = not found["logged"], True
+    return found["record"], first
 
 
 def sharded_io(strategy: Strategy) -> Any:

@@ -1,4 +1,4 @@
-"""Run by test_read_once.py on each of 2 CPU ranks that Lightning sees as 2 nodes (``num_nodes=2``,
+"""Run by test_read_once_ddp.py on each of 2 CPU ranks that Lightning sees as 2 nodes (``num_nodes=2``,
 one device each; ``NODE_RANK`` and ``LOCAL_RANK=0`` set, as a multi-node launcher would).
 
 Fits 2 steps with ``ShardedModelCheckpoint`` (rank 0 writes: ranks on several nodes do not spread

@@ -93,19 +93,37 @@ def test_a_resume_logs_its_load(tmp_path, capsys):
     assert first.load_record is None  # nothing was restored
     saved = str(tmp_path / "ckpts" / "step=2.ckpt")
     logger = CSVLogger(tmp_path / "logs", name="run", version=0)
-    io = lc.ShardedCheckpointIO()
+    armed = []  # whether each load could run collectives (read_once): the restore's alone
+
+    class Spy(lc.ShardedCheckpointIO):
+        def load_checkpoint(self, path, *args, **kwargs):
+            armed.append(self._collective_load)
+            return super().load_checkpoint(path, *args, **kwargs)
+
+    class LoadsOnFitStart(TinyRegressor):  # a user's loads (on one rank), around the restore: never collective
+        def configure_model(self):
+            io.load_checkpoint(saved)
+
+        def on_fit_start(self):
+            io.load_checkpoint(saved)
+
+    io = Spy()
     callback = lc.ShardedModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, verbose=True)
-    trainer = Trainer(max_steps=4, callbacks=[callback], plugins=[io], **trainer_kwargs(logger=logger))
-    trainer.fit(TinyRegressor(), ckpt_path=saved)
+    other = lc.ShardedModelCheckpoint(dirpath=tmp_path / "other", every_n_train_steps=3, verbose=True)
+    trainer = Trainer(max_steps=4, callbacks=[callback, other], plugins=[io], **trainer_kwargs(logger=logger))
+    trainer.fit(LoadsOnFitStart(), ckpt_path=saved)
+    assert armed == [None, (1, 1), None] and io._collective_load is None  # configure_model, restore, on_fit_start
+    assert "resume_start" not in vars(trainer._checkpoint_connector)  # unwrapped at teardown
     record = callback.load_record
-    assert record is io.last_load and record.path == saved and not record.read_once  # one process reads it all
+    assert other.load_record is record  # both callbacks see it; it is logged and printed once
+    assert record.path == saved and not record.read_once and record is not io.last_load  # on_fit_start loaded after it
     assert record.total_bytes == record.bytes_read == lc.verify_checkpoint(saved).total_bytes
     assert record.seconds > 0 and record.gbps == record.total_bytes / record.seconds / 1e9
     with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
         rows = [row for row in csv.DictReader(f) if row.get("ckpt/load_s")]
     assert len(rows) == 1 and rows[0]["step"] == "2"
     assert float(rows[0]["ckpt/load_gbps"]) > 0 and float(rows[0]["ckpt/load_read_gb"]) == record.bytes_read / 1e9
-    assert f"loaded {record.total_bytes / 1e3:.0f} kB from {saved} in" in capsys.readouterr().out  # a tiny one
+    assert capsys.readouterr().out.count(f"loaded {record.total_bytes / 1e3:.0f} kB from {saved} in") == 1  # a tiny one
     # A load outside the restore runs no collective and is recorded too.
     io.load_checkpoint(saved)
     assert io.last_load is not record and io.last_load.path == saved

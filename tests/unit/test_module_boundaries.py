@@ -286,3 +286,12 @@ def test_every_layer_folder_says_what_it_is_for(layer: str) -> None:
     if folder.is_dir():
         docstring = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
         assert docstring, f"lightning_ckpt/{layer}/__init__.py needs a docstring: the layer's one-line responsibility"
+
+
+def test_no_two_test_files_share_a_name():
+    """pytest imports test files by their basename (no packages under tests/): two of the same name
+    in different tiers stop the whole run at collection ("import file mismatch")."""
+    names = defaultdict(list)
+    for path in (PACKAGE.parent / "tests").rglob("test_*.py"):
+        names[path.name].append(str(path.relative_to(PACKAGE.parent)))
+    assert not {name: paths for name, paths in names.items() if len(paths) > 1}

@@ -1,6 +1,6 @@
 """format.read_once: the read path (short reads, EINTR, O_DIRECT refused, truncation), the
 spread of files over ranks, and a load in a one-rank gloo group (the two-rank case, with ranks as
-separate nodes, is tests/distributed/test_read_once.py)."""
+separate nodes, is tests/distributed/test_read_once_ddp.py)."""
 
 from __future__ import annotations
 
@@ -209,3 +209,49 @@ def test_the_plugin_reads_once_only_in_the_trainers_restore(tmp_path, one_rank, 
     assert calls == [path, path]
     with pytest.raises(ValueError, match="read_once"):
         lc.ShardedCheckpointIO(read_once="yes")  # type: ignore[arg-type]
+
+
+def test_every_rank_raises_the_lowest_failing_ranks_error_alike():
+    said = [None, ("CorruptCheckpointError", "checksum mismatch in 'a'", "a"), ("OSError", "[Errno 5] EIO", None)]
+    own = OSError(5, "EIO")
+    for failure in (None, own):  # rank 0 (fine) and rank 2 (its own, other error) raise the same
+        with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as info:
+            read_once._raise_agreed("/ckpt", said, failure)
+        assert info.value.file == "a" and info.value.__cause__ is failure
+    with pytest.raises(lc.CheckpointError, match=r"rank 1 could not read its share of '/ckpt': MemoryError") as info:
+        read_once._raise_agreed("/ckpt", [None, ("MemoryError", "", None)], None)
+    assert type(info.value) is lc.CheckpointError  # not one a resume falls back on: every rank stops
+    read_once._raise_agreed("/ckpt", [None, None], None)  # nobody failed
+
+
+def test_ranks_that_opened_different_checkpoints_open_it_again(tmp_path, monkeypatch):
+    path, _ = _checkpoint(tmp_path)
+    mine = []
+
+    def gathered(value, group):  # this rank, and another that saw another manifest (or none)
+        mine.append(value)
+        return [value, other]
+
+    monkeypatch.setattr(read_once, "_gathered", gathered)
+    other = ("another manifest", None)
+    assert read_once._open_agreed(path, True, None) is read_once._AGAIN
+    other = mine[-1]
+    directory, manifest, _, _ = read_once._open_agreed(path, True, None)
+    assert manifest.total_bytes == read_manifest(path).total_bytes
+    directory.__exit__()
+    other = (None, None)
+    with pytest.raises(lc.CheckpointError, match=r"is a checkpoint for ranks \[0\] only"):
+        read_once._open_agreed(path, True, None)
+    assert read_once._open_agreed(str(tmp_path / "nothing"), True, None) is None  # no rank sees one
+    os.makedirs(tmp_path / "legacy")
+    assert read_once._open_agreed(str(tmp_path / "legacy"), True, None) is None
+
+
+def test_a_checkpoint_that_is_not_ours_loads_the_ordinary_way_on_every_rank(tmp_path, one_rank):
+    state = {"state_dict": {"w": torch.arange(6.0)}, "epoch": 1}
+    legacy = str(tmp_path / "legacy.ckpt")
+    torch.save(state, legacy)
+    io = lc.ShardedCheckpointIO(read_once=True)
+    io.expect_collective_load(world_size=2, num_nodes=2)
+    loaded = io.load_checkpoint(legacy)
+    assert torch.equal(loaded["state_dict"]["w"], state["state_dict"]["w"]) and not io.last_load.read_once
