@@ -253,7 +253,7 @@ def _open_agreed(path: str, verify: bool, group: Any) -> Any:
             failure = err
     everyone = _gathered((key, _said(failure)), group)
     keys = {k for k, _ in everyone}
-    outcome = opened
+    outcome, keep = opened, False
     try:
         _raise_agreed(path, [said for _, said in everyone], failure)
         if keys == {None}:
@@ -268,8 +268,9 @@ def _open_agreed(path: str, verify: bool, group: Any) -> Any:
             )
         elif len(keys) > 1:
             outcome = _AGAIN
+        keep = outcome is opened
     finally:
-        if outcome is not opened and directory is not None:
+        if not keep and directory is not None:  # raised, or not to be read: closed here
             directory.__exit__()
     return outcome
 

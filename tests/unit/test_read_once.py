@@ -239,9 +239,17 @@ def test_ranks_that_opened_different_checkpoints_open_it_again(tmp_path, monkeyp
     directory, manifest, _, _ = read_once._open_agreed(path, True, None)
     assert manifest.total_bytes == read_manifest(path).total_bytes
     directory.__exit__()
+    closed = []
+    real_exit = OpenedDir.__exit__
+    monkeypatch.setattr(OpenedDir, "__exit__", lambda self, *exc: closed.append(self.path) or real_exit(self, *exc))
     other = (None, None)
     with pytest.raises(lc.CheckpointError, match=r"is a checkpoint for ranks \[0\] only"):
         read_once._open_agreed(path, True, None)
+    other = (None, ("CorruptCheckpointError", "checksum mismatch in 'x'", "x"))  # the other rank failed
+    with pytest.raises(CorruptCheckpointError):
+        read_once._open_agreed(path, True, None)
+    assert closed == [path, path]  # what this rank opened is closed when it raises too
+    other = (None, None)
     assert read_once._open_agreed(str(tmp_path / "nothing"), True, None) is None  # no rank sees one
     os.makedirs(tmp_path / "legacy")
     assert read_once._open_agreed(str(tmp_path / "legacy"), True, None) is None
