@@ -17,7 +17,6 @@ Every rank of ``group`` must call :func:`load_read_once` together (Lightning's r
 
 from __future__ import annotations
 
-import concurrent.futures
 import errno
 import mmap
 import os
@@ -37,6 +36,7 @@ from lightning_ckpt.format.reader import (
     checked_tree,
     decode,
     is_committed,
+    opened_all,
     shard_names,
     shard_of,
 )
@@ -73,23 +73,6 @@ def _buffer(size: int) -> mmap.mmap:
     return mmap.mmap(-1, max(_PAGE, -(-size // _PAGE) * _PAGE))
 
 
-def _open_direct(directory: OpenedDir, name: str) -> tuple[int, bool]:
-    """``name`` opened for reading, with ``O_DIRECT`` where the filesystem takes it (tmpfs does
-    not: then buffered, reading ahead sequentially); (fd, direct)."""
-    direct = getattr(os, "O_DIRECT", 0)
-    if direct:
-        try:
-            return directory.open(name, os.O_RDONLY | direct), True
-        except FileNotFoundError:
-            raise
-        except OSError:
-            pass
-    fd = directory.open(name)
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    return fd, False
-
-
 def read_file(directory: OpenedDir, name: str, size: int, algorithm: str | None) -> tuple[mmap.mmap, str | None]:
     """File ``name`` (``size`` bytes, as the manifest says) read whole into fresh memory, hashed
     with ``algorithm`` block by block as it arrives (``None``: not hashed); (buffer, digest).
@@ -102,7 +85,7 @@ def read_file(directory: OpenedDir, name: str, size: int, algorithm: str | None)
     buffer = _buffer(size)
     view = memoryview(buffer)
     running = None if algorithm is None else fmt.hasher(algorithm)
-    fd, direct = _open_direct(directory, name)
+    fd, direct = directory.open_direct(name)
     done = hashed = 0
     try:
         while done < size:
@@ -313,29 +296,19 @@ def _load_agreed(
 
 
 def _read_own(directory: OpenedDir, manifest: fmt.Manifest, names: list[str], verify: bool) -> dict[str, mmap.mmap]:
-    """This rank's files, read (and with ``verify`` checked against the manifest) a few at once."""
+    """This rank's files, read (and with ``verify`` checked against the manifest) a few at once:
+    all of them, or none and the first failure raised."""
     algorithm = manifest.checksum if verify else None
-    read: dict[str, mmap.mmap] = {}
-    if not names:
-        return read
-    workers = max(1, min(len(names), os.cpu_count() or 1, _READ_THREADS))
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lightning_ckpt-read") as pool:
-        futures = {n: pool.submit(read_file, directory, n, manifest.files[n].size, algorithm) for n in names}
-        failure: BaseException | None = None
-        for name in names:  # every future collected: no buffer left behind
+
+    def read(name: str) -> mmap.mmap:
+        record = manifest.files[name]
+        buffer, found = read_file(directory, name, record.size, algorithm)
+        if found is not None:
             try:
-                buffer, found = futures[name].result()
-            except BaseException as err:
-                failure = failure or err
-                continue
-            read[name] = buffer
-            if found is not None and failure is None:
-                try:
-                    digests.check_digest(directory.path, name, manifest.checksum, manifest.files[name].digest, found)
-                except CorruptCheckpointError as err:
-                    failure = err
-    if failure is not None:
-        for buffer in read.values():
-            buffer.close()
-        raise failure
-    return read
+                digests.check_digest(directory.path, name, manifest.checksum, record.digest, found)
+            except BaseException:
+                buffer.close()
+                raise
+        return buffer
+
+    return opened_all(names, read, lambda buffer: buffer.close(), _READ_THREADS, "lightning_ckpt-read")

@@ -61,6 +61,22 @@ class OpenedDir:
     def open(self, name: str, flags: int = os.O_RDONLY) -> int:
         return os.open(name, flags, dir_fd=self.fd)
 
+    def open_direct(self, name: str) -> tuple[int, bool]:
+        """``name`` opened for reading with ``O_DIRECT`` where the filesystem takes it (tmpfs does
+        not: then buffered, read ahead sequentially); (fd, whether ``O_DIRECT``)."""
+        direct = getattr(os, "O_DIRECT", 0)
+        if direct:
+            try:
+                return self.open(name, os.O_RDONLY | direct), True
+            except FileNotFoundError:
+                raise
+            except OSError:
+                pass
+        fd = self.open(name)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return fd, False
+
     def read(self, name: str) -> bytes:
         with os.fdopen(self.open(name), "rb") as f:
             return f.read()
@@ -226,12 +242,7 @@ def _verify(directory: OpenedDir) -> fmt.Manifest:
     buffers = [mmap.mmap(-1, digests.CHUNK) for _ in range(2)]
     try:
         for name, record in manifest.files.items():
-            try:
-                fd = directory.open(name, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-            except FileNotFoundError:
-                raise
-            except OSError:
-                fd = directory.open(name)
+            fd, _ = directory.open_direct(name)
             found = digests.file_digest(fd, buffers, manifest.checksum)
             digests.check_digest(path, name, manifest.checksum, record.digest, found)
     finally:
@@ -321,23 +332,36 @@ def _open_verified(directory: OpenedDir, manifest: fmt.Manifest) -> dict[str, Sh
     algorithm = manifest.checksum
     shard_files = shard_names(manifest)
     names = [name for name in manifest.files if name in shard_files]
-    workers = max(1, min(len(names), os.cpu_count() or 1, _HASH_THREADS))
-    shards: dict[str, Shard] = {}
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="lightning_ckpt-verify") as pool:
-        futures = {
-            name: pool.submit(_open_shard, directory, name, (algorithm, manifest.files[name].digest)) for name in names
-        }
-        failure: BaseException | None = None
-        for name in names:  # every future is collected, so no mapping is left behind
+    return opened_all(
+        names,
+        lambda name: _open_shard(directory, name, (algorithm, manifest.files[name].digest)),
+        lambda shard: shard.mapped.close(),
+        _HASH_THREADS,
+        "lightning_ckpt-verify",
+    )
+
+
+def opened_all(
+    names: list[str], open_one: Callable[[str], _T], close: Callable[[_T], None], threads: int, thread_name: str
+) -> dict[str, _T]:
+    """``open_one(name)`` of every name (by name), on up to ``threads`` threads at once: all of
+    them, or none: when one raises, every one that opened is closed and the first failure in the
+    order of ``names`` is raised."""
+    workers = max(1, min(len(names), os.cpu_count() or 1, threads))
+    opened: dict[str, _T] = {}
+    failure: BaseException | None = None
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=thread_name) as pool:
+        futures = {name: pool.submit(open_one, name) for name in names}
+        for name in names:  # every future is collected, so nothing opened is left behind
             try:
-                shards[name] = futures[name].result()
+                opened[name] = futures[name].result()
             except BaseException as err:
                 failure = failure or err
     if failure is not None:
-        for shard in shards.values():
-            shard.mapped.close()
+        for value in opened.values():
+            close(value)
         raise failure
-    return shards
+    return opened
 
 
 def device_for(location: str, map_location: MapLocation) -> torch.device:

@@ -40,9 +40,9 @@ from lightning_ckpt.functional import (  # re-exported: ``lightning_ckpt.io.X`` 
     load_checkpoint,
     load_remote,
     location,
-    stored_bytes,
     remove_checkpoint,
     save_checkpoint,
+    stored_bytes,
     verify_checkpoint,
 )
 from lightning_ckpt.lightning.loading import load_from_checkpoint
@@ -198,7 +198,7 @@ class ShardedCheckpointIO(CheckpointIO):
 
     Call order and ranks: Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0
     only, ``load_checkpoint`` and ``teardown`` on every rank; none of them runs a collective, but
-    the Trainer's restore that reads once (``read_once``), one ``all_gather_object`` and a
+    the Trainer's restore that reads once (``read_once``): two ``all_gather_object`` and a
     broadcast per shard file. ``last_load`` describes the latest load (seconds, bytes, GB/s).
     """
 

@@ -523,26 +523,25 @@ class _InOrderDigest:
                 return
             self.hasher.update(data)
             self.hashed += len(data)
-            self._catch_up()
+            while self.hashed in self.ahead:
+                self._hash_file(self.ahead.pop(self.hashed))
 
-    def _catch_up(self) -> None:
-        while self.hashed in self.ahead:
-            end = self.ahead.pop(self.hashed)
-            with open(self.local, "rb", buffering=0) as f:
-                f.seek(self.hashed)
-                while self.hashed < end and (chunk := f.read(min(PIECE, end - self.hashed))):
-                    self.hasher.update(chunk)
-                    self.hashed += len(chunk)
+    def _hash_file(self, end: int | None) -> None:
+        """Hash the file from the prefix's end up to ``end`` (``None``: its end)."""
+        with open(self.local, "rb", buffering=0) as f:
+            f.seek(self.hashed)
+            while end is None or self.hashed < end:
+                chunk = f.read(PIECE if end is None else min(PIECE, end - self.hashed))
+                if not chunk:
+                    break
+                self.hasher.update(chunk)
+                self.hashed += len(chunk)
 
     def result(self) -> tuple[int, str]:
         """(bytes hashed, digest) once every range landed; a gap left hashes the file from there."""
         with self.lock:
             self.ahead.clear()
-            with open(self.local, "rb", buffering=0) as f:
-                f.seek(self.hashed)
-                while chunk := f.read(PIECE):
-                    self.hasher.update(chunk)
-                    self.hashed += len(chunk)
+            self._hash_file(None)
             return self.hashed, self.hasher.hexdigest()
 
 

@@ -76,7 +76,7 @@ def test_short_reads_continue_where_they_stopped(tmp_path, monkeypatch):
     def short(real, fd, buffers, offset, n):  # at most 4097 bytes per call: odd, unaligned lengths
         return real(fd, [memoryview(buffers[0])[:4097]], offset) if os.fstat(fd).st_size - offset > 4097 else real(fd, buffers, offset)
 
-    monkeypatch.setattr(read_once, "_open_direct", lambda d, n: (d.open(n), False))  # odd offsets: buffered
+    monkeypatch.setattr(OpenedDir, "open_direct", lambda d, n: (d.open(n), False))  # odd offsets: buffered
     calls = _patched_preadv(monkeypatch, short)
     with OpenedDir(path) as directory:
         buffer, found = read_once.read_file(directory, name, size, read_manifest(path).checksum)
@@ -119,7 +119,7 @@ def test_a_filesystem_refusing_o_direct_reads_is_read_buffered(tmp_path, monkeyp
 
     monkeypatch.setattr(OpenedDir, "open", open_)
     # Opened as O_DIRECT is (tmpfs refuses O_DIRECT at open, some filesystems only at read).
-    monkeypatch.setattr(read_once, "_open_direct", lambda d, n: (d.open(n), True))
+    monkeypatch.setattr(OpenedDir, "open_direct", lambda d, n: (d.open(n), True))
     calls = _patched_preadv(monkeypatch, refuse)
     with OpenedDir(path) as directory:
         buffer, found = read_once.read_file(directory, name, size, read_manifest(path).checksum)
