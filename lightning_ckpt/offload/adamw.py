@@ -103,8 +103,14 @@ class ChunkedAdamW(Optimizer):
             last chunk is written back.
         shard_across_ranks: when ``torch.distributed`` is initialized with several ranks (DDP), each
             rank holds and steps only its share of the chunks and the owners broadcast the updated
-            values (over a gloo group of their own). Gradients must already be averaged across
-            ranks, as DDP does. ``False``: every rank holds and steps everything.
+            values. Gradients must already be averaged across ranks, as DDP does. ``False``: every
+            rank holds and steps everything.
+        exchange: how the owners send updated values in that sharded mode. ``"host"``: from the
+            host arena over a gloo group of the optimizer's own (4 bytes per parameter per step
+            through host memory and TCP). ``"device"``: parameters on CUDA with an NCCL process
+            group: from the owner's device buffer over an NCCL communicator of the optimizer's own,
+            straight into the others' device memory. ``"auto"`` (default): ``"device"`` where it
+            applies, else ``"host"``. ``exchange_backend`` tells which one runs.
         amsgrad, maximize, foreach, capturable, differentiable, fused: accepted for drop-in use of
             AdamW's arguments; anything but AdamW's defaults (``foreach``/``fused``: any value) is
             refused.
@@ -124,6 +130,7 @@ class ChunkedAdamW(Optimizer):
         chunk_size: int | str = "64MiB",
         overlap: bool = True,
         shard_across_ranks: bool = True,
+        exchange: str = "auto",
         amsgrad: bool = False,
         maximize: bool = False,
         foreach: bool | None = None,
@@ -143,6 +150,8 @@ class ChunkedAdamW(Optimizer):
             raise ValueError(f"`betas={betas!r}` must be two floats in [0, 1).")
         if not 0.0 <= weight_decay:
             raise ValueError(f"`weight_decay={weight_decay!r}` must be non-negative.")
+        if exchange not in ("auto", "host", "device"):
+            raise ValueError(f'`exchange={exchange!r}` must be "auto", "host" or "device".')
         chunk_bytes = parse_size(chunk_size, "chunk_size")
         if chunk_bytes < 4:
             raise ValueError(f"`chunk_size={chunk_size!r}` must hold at least one fp32 element (4 bytes).")
@@ -150,7 +159,7 @@ class ChunkedAdamW(Optimizer):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, **_FIXED}
         super().__init__(params, defaults)
         self._overlap = overlap
-        self._build(chunk_bytes // 4, shard_across_ranks)
+        self._build(chunk_bytes // 4, shard_across_ranks, exchange)
         self._built = True
 
     # -- state seen from outside -------------------------------------------------------------
@@ -194,7 +203,7 @@ class ChunkedAdamW(Optimizer):
             self.param_groups[-1][key] = value
         self.param_groups[-1]["betas"] = tuple(self.param_groups[-1]["betas"])
 
-    def _build(self, chunk_numel: int, shard: bool) -> None:
+    def _build(self, chunk_numel: int, shard: bool, exchange: str) -> None:
         packed: list[tuple[int, torch.Tensor]] = []
         devices = set()
         seen: set[torch.Tensor] = set()  # a parameter listed twice (tied) is packed and stepped once
@@ -222,12 +231,18 @@ class ChunkedAdamW(Optimizer):
         self.device = devices.pop() if devices else torch.device("cpu")
         layout = plan_chunks([(g, local_of(p).numel(), p.dtype) for g, p in packed], chunk_numel)
         dist = torch.distributed
-        self._group = None  # sharded mode: the group the owners broadcast over
+        self._group = None  # sharded mode: gloo, for the moments state_dict() gathers (and the "host" exchange)
+        device_group = None  # sharded mode, "device" exchange: NCCL, for the updated values
         owners = (0,) * len(layout.chunks)
         rank = 0
-        if shard and not self._fsdp and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # Collective: every rank builds its optimizer (configure_optimizers runs on each).
+        sharded = shard and not self._fsdp and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        on_device = _device_exchange(self.device, exchange, sharded)
+        if sharded:
+            # Collective: every rank builds its optimizer (configure_optimizers runs on each), and
+            # decides alike (same device type, same backend).
             self._group = dist.new_group(backend="gloo")
+            if on_device:
+                device_group = dist.new_group(backend="nccl")
             rank = dist.get_rank()
             owners = assign_owners(layout, dist.get_world_size())
             self._meshes = owner_meshes(dist.get_world_size())  # for saves where every rank writes
@@ -280,7 +295,7 @@ class ChunkedAdamW(Optimizer):
                     p.data = self._arena.own_storage(chunk.master[i])  # its master weights: no write-back
                     aliased.append(weakref.ref(p))
         largest = max((s.numel for s in layout.chunks), default=0)
-        self._stepper = Stepper(self._arena, largest, self.device, self._group)
+        self._stepper = Stepper(self._arena, largest, self.device, self._group, device_group)
         self._worker = Worker(self._stepper)
         weakref.finalize(self, _shutdown, self._worker, self._stepper, self._arena, aliased)
         self._hooked: set[int] = set()  # ids of modules given wait hooks
@@ -589,6 +604,32 @@ class ChunkedAdamW(Optimizer):
     @property
     def pinned_bytes(self) -> int:
         return self._arena.pinned_bytes
+
+    @property
+    def exchange_backend(self) -> str | None:
+        """How updated values reach the ranks that do not own a chunk: ``"gloo"`` (the host
+        exchange), ``"nccl"`` (the device exchange), ``None`` (no exchange: one rank, FSDP2, or
+        ``shard_across_ranks=False``)."""
+        if self._stepper.device_group is not None:
+            return "nccl"
+        return "gloo" if self._group is not None else None
+
+
+def _device_exchange(device: torch.device, exchange: str, sharded: bool) -> bool:
+    """Does the sharded mode send updated values over NCCL (see ``exchange``)? Refuses
+    ``"device"`` where it cannot apply, whether or not this run is sharded: the same arguments
+    must not fail on some machine later."""
+    dist = torch.distributed
+    nccl = dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
+    possible = device.type == "cuda" and (nccl or not sharded) and dist.is_nccl_available()
+    if exchange == "device" and not possible:
+        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "no process group"
+        raise ValueError(
+            f'ChunkedAdamW(exchange="device") sends updated values between CUDA devices over NCCL; the'
+            f" parameters are on {device} ({backend}). Move the model to the GPU before building the"
+            ' optimizer and train with the NCCL backend, or pass exchange="host" (or "auto").'
+        )
+    return sharded and exchange != "host" and possible and nccl
 
 
 def _reject_flat_parameters(params: list[torch.Tensor]) -> None:

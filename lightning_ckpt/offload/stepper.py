@@ -186,9 +186,17 @@ class Stepper:
     synchronized (D2H) or stream-ordered (H2D) before the next chunk reuses them.
     """
 
-    def __init__(self, arena: HostArena, largest: int, device: torch.device, group: Any = None) -> None:
+    def __init__(
+        self, arena: HostArena, largest: int, device: torch.device, group: Any = None, device_group: Any = None
+    ) -> None:
         self.arena = arena
-        self.group = group  # sharded mode: owners broadcast updated master chunks over it
+        # Sharded mode: the owner of each chunk sends its updated fp32 values to the other ranks,
+        # over ``group`` (gloo: from the host arena into each rank's pinned buffer), or, on CUDA
+        # with ``device_group`` (NCCL), from the owner's device buffer straight into the others'.
+        # Every rank steps the chunks in the same order in this thread alone, so the broadcasts of
+        # either group pair up whatever the training thread's collectives do meanwhile.
+        self.group = group
+        self.device_group = device_group
         self.last_write: Any = None  # CUDA: the event after the last write-back
         self.cuda = device.type == "cuda"
         self.host_grad = torch.empty(largest, dtype=MASTER_DTYPE, pin_memory=self.cuda)
@@ -219,8 +227,9 @@ class Stepper:
                 view.copy_(grad)  # bf16 / fp16 gradients upcast
         return views
 
-    def _write_back(self, job: Job, source: torch.Tensor) -> None:
-        """Updated fp32 values of the chunk (``source``: host, flat) into its parameters; where the
+    def _write_back(self, job: Job, source: torch.Tensor | None) -> None:
+        """Updated fp32 values of the chunk (``source``: host, flat; ``None``: a chunk another rank
+        owns, arriving over ``device_group``) into its parameters; where the
         kernel updated a parameter in place (``Chunk.params_are_master``, an aliased parameter)
         only its version counter is bumped (state-dict entries share it; saves tell unchanged
         tensors by it). Chunks whose parameters are their master weights are host memory, so the
@@ -235,7 +244,12 @@ class Stepper:
                     # arrives by broadcast, with no device wait of its own before this write.
                     self.h2d.wait_event(job.grads_ready)
                     flat = self.device_master[: c.spec.numel]
-                    flat.copy_(source, non_blocking=True)
+                    if source is not None:
+                        flat.copy_(source, non_blocking=True)
+                    if self.device_group is not None:
+                        # Issued with h2d current: NCCL's stream waits for the copy above, and
+                        # h2d for the broadcast before the parameter copies below read ``flat``.
+                        torch.distributed.broadcast(flat, src=c.owner, group=self.device_group)
                     for i in job.members:
                         p = c.local(i)
                         p.copy_(flat[slots[i].offset : slots[i].offset + slots[i].numel].view_as(p))
@@ -262,6 +276,9 @@ class Stepper:
             self.last_write.synchronize()  # host buffers read by the last H2D copy are free again
         if not c.owned:  # sharded mode: the owner steps it; its updated values arrive here
             torch._foreach_add_(job.steps, 1)
+            if self.device_group is not None:
+                self._write_back(job, None)
+                return
             received = self.host_grad[: c.spec.numel]
             torch.distributed.broadcast(received, src=c.owner, group=self.group)
             self._write_back(job, received)
@@ -290,6 +307,6 @@ class Stepper:
         # The fused kernel bumps no version counter: saves tell changed state by them (and the
         # optimizer's post-step hooks, run when ``step()`` returns, may be before this runs).
         increment_version([*(c.exp_avg[i] for i in job.members), *(c.exp_avg_sq[i] for i in job.members)])
-        if self.group is not None:
+        if self.group is not None and self.device_group is None:
             torch.distributed.broadcast(c.master_flat, src=c.owner, group=self.group)
         self._write_back(job, c.master_flat)

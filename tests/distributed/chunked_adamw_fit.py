@@ -4,6 +4,10 @@
 against torch.optim.AdamW(fused=True) under the same DDP run, against one process on the same
 global batch, and a ShardedCheckpointIO save at the end of epoch 1 resumed to the end of epoch 2
 against the uninterrupted run. Rank 0 writes a JSON report to ``argv[1]``.
+
+``argv[2] == "gpu"`` (2 CUDA devices, NCCL): the updated values sent over NCCL
+(``exchange="device"``) against the host exchange (``exchange="host"``): the same CPU kernel
+on the same gradients, so the weights must be equal bit for bit.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ EPOCH = 4  # optimizer steps per epoch on 2 ranks
 
 
 class Net(LightningModule):
-    def __init__(self, chunked: bool) -> None:
+    def __init__(self, chunked: bool, exchange: str = "auto") -> None:
         super().__init__()
         self.chunked = chunked
+        self.exchange = exchange
         self.layers = torch.nn.Sequential(
             torch.nn.Linear(9, 31), torch.nn.Tanh(), torch.nn.Linear(31, 17), torch.nn.Tanh(), torch.nn.Linear(17, 3)
         )
@@ -48,8 +53,11 @@ class Net(LightningModule):
         if self.chunked:
             # the one-process reference runs on rank 0 beside the live 2-rank group: not sharded
             shard = self.trainer.world_size > 1
-            optimizer = lc.ChunkedAdamW(self.parameters(), lr=1e-2, chunk_size=400, shard_across_ranks=shard)
+            optimizer = lc.ChunkedAdamW(
+                self.parameters(), lr=1e-2, chunk_size=400, shard_across_ranks=shard, exchange=self.exchange
+            )
             self.host_bytes = optimizer.host_bytes
+            self.exchange_backend = optimizer.exchange_backend
             return optimizer
         return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
 
@@ -64,16 +72,16 @@ class Net(LightningModule):
         return DataLoader(TensorDataset(x, y), batch_size=2 * BATCH // world)
 
 
-def fit(chunked: bool, max_steps: int, devices: int = 2, dirpath=None, ckpt_path=None):
+def fit(chunked: bool, max_steps: int, devices: int = 2, dirpath=None, ckpt_path=None, exchange="auto", accelerator="cpu"):
     seed_everything(0, workers=True)
-    model = Net(chunked)
+    model = Net(chunked, exchange)
     callbacks = [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=EPOCH, save_top_k=-1)] if dirpath else []
     strategy = "ddp" if devices > 1 else "auto"
     trainer = Trainer(
         **trainer_kwargs(
             devices=devices, strategy=strategy, max_steps=max_steps, callbacks=callbacks,
             enable_checkpointing=bool(dirpath), plugins=[lc.ShardedCheckpointIO()] if dirpath or ckpt_path else None,
-            use_distributed_sampler=False,
+            use_distributed_sampler=False, accelerator=accelerator,
         )
     )
     trainer.fit(model, ckpt_path=ckpt_path)
@@ -107,6 +115,7 @@ def main(report: str) -> None:
             json.dump(
                 {
                     "world_size": trainer.world_size,
+                    "exchange_backend": chunked.exchange_backend,
                     "chunks": len(optimizer._chunks),
                     "owned_per_rank": [int(n) for n in owned_all.flatten()],
                     "host_bytes": chunked.host_bytes,
@@ -123,6 +132,28 @@ def main(report: str) -> None:
             )
 
 
+def main_gpu(report: str) -> None:
+    _, host = fit(True, 2 * EPOCH, exchange="host", accelerator="gpu")
+    device_trainer, device = fit(True, 2 * EPOCH, exchange="device", accelerator="gpu")
+    gathered = device_trainer.strategy.all_gather(flat(device))
+    if device_trainer.global_rank == 0:
+        with open(report, "w") as f:
+            json.dump(
+                {
+                    "world_size": device_trainer.world_size,
+                    "backends": [host.exchange_backend, device.exchange_backend],
+                    "device_equals_host": torch.equal(flat(device).cpu(), flat(host).cpu()),
+                    "losses_equal": device.losses == host.losses,
+                    "ranks_agree": all(torch.equal(gathered[0], g) for g in gathered),
+                },
+                f,
+            )
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[2:] == ["gpu"]:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic=True on CUDA
+        main_gpu(sys.argv[1])
+    else:
+        main(sys.argv[1])
     close_process_group()

@@ -208,7 +208,8 @@ def test_state_dict_round_trips_with_torch_adamw(direction):
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [({"amsgrad": True}, "amsgrad"), ({"maximize": True}, "maximize"), ({"capturable": True}, "capturable"),
-     ({"differentiable": True}, "differentiable"), ({"chunk_size": "lots"}, "chunk_size"), ({"betas": (0.9, 1.5)}, "betas")],
+     ({"differentiable": True}, "differentiable"), ({"chunk_size": "lots"}, "chunk_size"), ({"betas": (0.9, 1.5)}, "betas"),
+     ({"exchange": "nccl"}, "exchange")],
 )
 def test_unsupported_arguments_are_refused_by_name(kwargs, named):
     with pytest.raises(ValueError, match=f"`{named}"):
@@ -223,7 +224,11 @@ def test_refusals_with_a_fix():
         ChunkedAdamW([net.weight, torch.nn.Parameter(torch.zeros(2, device="meta"))])
     with pytest.raises(ValueError, match="`lr=-1"):
         ChunkedAdamW([net.weight], lr=-1.0)
+    # the device exchange needs CUDA parameters (and NCCL): refused on any machine, sharded or not
+    with pytest.raises(ValueError, match=r'exchange="device".*on cpu.*exchange="host"'):
+        ChunkedAdamW([net.weight], exchange="device")
     opt = ChunkedAdamW([net.weight])
+    assert opt.exchange_backend is None  # one process: nothing to exchange
     with pytest.raises(ValueError, match="add_param_group"):
         opt.add_param_group({"params": [net.bias]})
     embed = torch.nn.Embedding(4, 3, sparse=True)
