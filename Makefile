@@ -21,7 +21,8 @@ demo: $(STAMP)
 
 # Tests run in TEST_WORKERS pytest-xdist workers (0: in one process), each taking the next test as
 # it frees up (worksteal: the long 2-rank tests do not all land on one worker at the end). On the
-# 2-core CI machine 2 workers took the suite from 19.4 to 14.7 min (3 workers: the same 14.6).
+# 2-core CI machine 2 workers took `make test` from 18.5 to 10.6 min and the whole CI run from ~28
+# to 17.7 min (3 workers were no faster than 2 there: the suite is CPU-bound once both cores are).
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist worksteal
 
@@ -32,10 +33,10 @@ test: $(STAMP)
 # does not serve by default), in a second environment, .venv-newest: the unit and integration
 # tiers on it (CI runs both). Here torch 2.14.1 itself comes as the CUDA build (~2.7 GB of wheels,
 # installed in ~1.2 min; it runs on CPU, the gpu tests skip). Measured on the 2-core CI machine:
-# `make test` ~12 min, this install 1.2 min, the unit tier 17 s and the integration tier ~2.8 min
-# on it. The distributed and bench tiers stay on the pinned torch only, and so do the integration
-# tests of process-level behaviour that no torch version changes (SIGKILL campaigns, two processes
-# sharing a folder, Ctrl-C), ~1.5 min: CI stays near 15 min.
+# this install 1.2 min, then the unit and integration tiers 3.3 min in 2 workers. The distributed
+# and bench tiers stay on the pinned torch only, and so do the integration tests of process-level
+# behaviour that no torch version changes (SIGKILL campaigns, two processes sharing a folder,
+# Ctrl-C), ~1.5 min: CI stays near 15 min (17.7 min in all).
 # This tier also installs the `hf` extra (transformers): the Hugging Face tests run here and skip
 # in `make test` (setup.cfg says why).
 # Another torch: `make test-newest NEWEST_TORCH=2.15.0`.
