@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-host-gb", type=float, default=None, help=f"--largest: host memory a size may need (estimated at {HOST_BYTES_PER_PARAM} B/param); default {HOST_MARGIN:.0%}% of the available")
     parser.add_argument("--save", action="store_true", help="rows of an async checkpoint save with ChunkedAdamW vs AdamW")
     parser.add_argument("--fsdp2", action="store_true", help="ChunkedAdamW on FSDP2 shards vs fused AdamW (and CPUOffloadPolicy, torchao on CUDA): --ranks CPU ranks or one GPU (--width, --layers, --batch)")
-    parser.add_argument("--ranks", type=int, default=2, help="--fsdp2: CPU ranks (gloo); 1 with --device cuda")
+    parser.add_argument("--ddp", action="store_true", help="ChunkedAdamW under DDP (chunks sharded across ranks; updated values over gloo, and over NCCL on GPUs) vs fused AdamW: --ranks CPU ranks or GPUs (--width, --layers, --batch)")
+    parser.add_argument("--ranks", type=int, default=2, help="--fsdp2: CPU ranks (gloo); 1 with --device cuda. --ddp: CPU ranks, or GPUs (at least 2) with --device cuda")
     add_json_argument(parser)
     return parser
 
@@ -848,11 +849,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started = time.time()
     render = render_table
-    if args.fsdp2:
+    if args.fsdp2 and args.ddp:
+        print("bench --mode offload: `--fsdp2` and `--ddp` are two benchmarks; pass one of them.", file=sys.stderr)
+        return 2
+    if args.fsdp2 or args.ddp:
         from benchmarks import offload_fsdp2
 
-        if args.ranks < 1 or (args.device == "cuda" and args.ranks != 1):
+        if args.fsdp2 and (args.ranks < 1 or (args.device == "cuda" and args.ranks != 1)):
             print("bench --mode offload --fsdp2: `--ranks` must be at least 1 (CPU ranks), and 1 with --device cuda (one GPU).", file=sys.stderr)
+            return 2
+        gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+        if args.ddp and (args.ranks < 2 or (args.device == "cuda" and args.ranks > gpus)):
+            print(f"bench --mode offload --ddp: `--ranks {args.ranks}` must be at least 2 (nothing is exchanged on one rank), and at most the {gpus} GPUs here with --device cuda.", file=sys.stderr)
             return 2
         rows, render = offload_fsdp2.run(args), offload_fsdp2.render_table
     elif args.largest:

@@ -1,6 +1,8 @@
 """``python -m benchmarks --mode offload --fsdp2``: ``ChunkedAdamW`` on FSDP2 shards against
 ``torch.optim.AdamW(fused=True)`` under the same FSDP2 run, on ``--ranks`` CPU ranks (gloo), or
-on one GPU (``--device cuda``, one rank).
+on one GPU (``--device cuda``, one rank). ``--ddp`` instead: the stack under torch's DDP, with
+``ChunkedAdamW`` sharding its chunks across the ranks and sending the updated values over gloo
+(``exchange="host"``) and, on ``--ranks`` GPUs (NCCL), over NCCL (``exchange="device"``).
 
 Each rank trains a stack of ``--layers`` linear layers of ``--width`` (``fully_shard`` per layer
 and on the root) on ``--batch`` rows (tokens) for ``--steps`` timed steps (forward, backward,
@@ -33,10 +35,19 @@ CONTENDERS = {
     "FSDP2 + torchao CPUOffloadOptimizer": (False, "torchao"),
 }
 CPU_CONTENDERS = ("FSDP2 + AdamW fused", "FSDP2 + ChunkedAdamW")
+# --ddp: name -> ChunkedAdamW's arguments (None: torch's fused AdamW)
+DDP_CONTENDERS: dict[str, dict[str, Any] | None] = {
+    "DDP + AdamW fused": None,
+    "DDP + ChunkedAdamW, every rank steps all": {"shard_across_ranks": False},
+    "DDP + ChunkedAdamW, host exchange (gloo)": {"exchange": "host"},
+    "DDP + ChunkedAdamW, device exchange (NCCL)": {"exchange": "device"},
+}
 
 
-def contenders(device: str) -> list[str]:
-    """The rows of ``device``: torchao's only where it is importable."""
+def contenders(device: str, ddp: bool = False) -> list[str]:
+    """The rows of ``device``: torchao's only where it is importable; the device exchange on CUDA only."""
+    if ddp:
+        return [n for n, kw in DDP_CONTENDERS.items() if (kw or {}).get("exchange") != "device" or device == "cuda"]
     if device == "cpu":
         return list(CPU_CONTENDERS)
     import importlib.util
@@ -53,29 +64,39 @@ def _train(rank: int, world: int, port: int, args: Any, queue: Any) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     import lightning_ckpt as lc
+    from lightning_ckpt.offload.stepper import local_of
 
     cuda = args.device == "cuda"
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    device = torch.device(args.device, rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo", rank=rank, world_size=world)
-    mesh = init_device_mesh(args.device, (world,))
+    mesh = None if args.ddp else init_device_mesh(args.device, (world,))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows = []
-    for name in contenders(args.device):
-        offload, kind = CONTENDERS[name]
-        runs, peaks, host, local = [], [], 0, 0
+    for name in contenders(args.device, args.ddp):
+        offload, kind = CONTENDERS[name] if not args.ddp else (False, "chunked" if DDP_CONTENDERS[name] else "adamw")
+        runs, peaks, host, local, backend = [], [], 0, 0, None
         try:
             for _ in range(args.repeats):
                 torch.manual_seed(0)
-                net = torch.nn.Sequential(*(torch.nn.Linear(args.width, args.width) for _ in range(args.layers))).to(args.device)
-                policy = {
-                    "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
-                    "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16) if cuda else MixedPrecisionPolicy(),
-                }
-                for layer in net:
-                    fully_shard(layer, mesh=mesh, **policy)
-                fully_shard(net, mesh=mesh, **policy)
-                if kind == "chunked":
+                net = torch.nn.Sequential(*(torch.nn.Linear(args.width, args.width) for _ in range(args.layers))).to(device)
+                if args.ddp:
+                    model: Any = torch.nn.parallel.DistributedDataParallel(net, device_ids=[device] if cuda else None)
+                else:
+                    policy = {
+                        "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
+                        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16) if cuda else MixedPrecisionPolicy(),
+                    }
+                    for layer in net:
+                        fully_shard(layer, mesh=mesh, **policy)
+                    model = fully_shard(net, mesh=mesh, **policy)
+                if kind == "chunked" and args.ddp:
+                    opt = lc.ChunkedAdamW(net.parameters(), lr=1e-4, chunk_size=args.chunk_size, **DDP_CONTENDERS[name])
+                    backend = opt.exchange_backend
+                elif kind == "chunked":
                     opt = lc.ChunkedAdamW(net.parameters(), lr=1e-4, chunk_size=args.chunk_size)
                 elif kind == "torchao":
                     from torchao.optim import CPUOffloadOptimizer
@@ -83,10 +104,13 @@ def _train(rank: int, world: int, port: int, args: Any, queue: Any) -> None:
                     opt = CPUOffloadOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-4, fused=True)
                 else:
                     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
-                x = torch.randn(args.batch, args.width, device=args.device)
+                x = torch.randn(args.batch, args.width, device=device)
 
                 def step() -> None:
-                    net(x).float().pow(2).mean().backward()
+                    # DDP on CUDA computes in bf16 as the FSDP2 rows do (their MixedPrecisionPolicy)
+                    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda and args.ddp):
+                        out = model(x)
+                    out.float().pow(2).mean().backward()
                     if kind != "torchao":  # it has no gradient clipping across its host copies
                         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
                     opt.step()
@@ -110,22 +134,23 @@ def _train(rank: int, world: int, port: int, args: Any, queue: Any) -> None:
                     host = opt.host_bytes
                 elif kind == "adamw":
                     host = sum(
-                        t.to_local().numel() * t.element_size()
+                        local_of(t).numel() * t.element_size()
                         for s in opt.state.values() for k, t in s.items()
-                        if k != "step" and t.to_local().device.type == "cpu"
+                        if k != "step" and local_of(t).device.type == "cpu"
                     )  # fmt: skip
-                local = sum(p.to_local().numel() for p in net.parameters())
-                net = opt = step = None  # the optimizer's arena, the model's device memory
+                local = sum(local_of(p).numel() for p in net.parameters())
+                net = model = opt = step = None  # the optimizer's arena, the model's device memory
                 gc.collect()
                 if cuda:
                     torch.cuda.empty_cache()
         except Exception as exc:  # a contender that cannot run here (torchao on DTensors): its row says why
             rows.append({"contender": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"})
-            net = opt = step = None
+            net = model = opt = step = None
             gc.collect()
             continue
         rows.append({"contender": name, "runs_seconds": runs, "median_step_seconds": statistics.median(runs),
                      "host_optimizer_bytes": host, "local_params": local, "tokens_per_step": args.batch,
+                     "parallel": "DDP" if args.ddp else "FSDP2", "exchange_backend": backend,
                      **({"peak_device_bytes": statistics.median(peaks)} if peaks else {})})  # fmt: skip
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, rows)
@@ -146,7 +171,7 @@ def run(args: Any) -> list[dict[str, Any]]:
     mp.start_processes(_train, args=(args.ranks, port, args, queue), nprocs=args.ranks, start_method="spawn")
     per_rank = queue.get()
     rows = []
-    for i, name in enumerate(contenders(args.device)):
+    for i, name in enumerate(contenders(args.device, args.ddp)):
         row = dict(per_rank[0][i])
         row["ranks"] = args.ranks
         if "error" not in row:
@@ -170,10 +195,17 @@ def render_table(rows: list[dict[str, Any]]) -> Any:
 
     from lightning_ckpt.bench.report import fmt
 
-    where = "one GPU" if any("peak_device_bytes" in row for row in rows) else f"{rows[0]['ranks']} CPU ranks"
+    ranks = rows[0]["ranks"]
+    gpu = any("peak_device_bytes" in row for row in rows)
+    where = (f"{ranks} GPUs" if ranks > 1 else "one GPU") if gpu else f"{ranks} CPU ranks"
     tokens = next((row["tokens_per_step"] for row in rows if "tokens_per_step" in row), "-")
-    table = Table(title=f"FSDP2 training step on {where}, {tokens} tokens (medians)")
-    columns = ("contender", "step s", "x first row", "x offloaded AdamW", "peak device MB", "optimizer host MB per rank", "local Mparams per rank")
+    parallel = next((row["parallel"] for row in rows if "parallel" in row), "FSDP2")
+    table = Table(title=f"{parallel} training step on {where}, {tokens} tokens per rank (medians)")
+    columns = ["contender", "step s", "x first row", "x offloaded AdamW", "peak device MB", "optimizer host MB per rank", "local Mparams per rank"]
+    if parallel == "DDP":
+        columns.remove("x offloaded AdamW")
+    if not gpu:
+        columns.remove("peak device MB")
     for column in columns:
         table.add_column(column, justify="left" if column == "contender" else "right")
     for row in rows:
@@ -181,9 +213,13 @@ def render_table(rows: list[dict[str, Any]]) -> Any:
             table.add_row(row["contender"], row["error"], *("-" * (len(columns) - 2)))
             continue
         peak = row.get("peak_device_bytes")
+        cells = {
+            "x offloaded AdamW": fmt(row.get("vs_offloaded_adamw"), 3),
+            "peak device MB": fmt(peak / 2**20 if peak else None, 1),
+        }
         table.add_row(
-            row["contender"], fmt(row["median_step_seconds"], 4), fmt(row["vs_adamw"], 3), fmt(row.get("vs_offloaded_adamw"), 3),
-            fmt(peak / 2**20 if peak else None, 1),
+            row["contender"], fmt(row["median_step_seconds"], 4), fmt(row["vs_adamw"], 3),
+            *(cells[c] for c in columns[3:-2]),
             " / ".join(fmt(b / 2**20, 2) for b in row["host_optimizer_bytes_per_rank"]),
             " / ".join(fmt(n / 1e6, 3) for n in row["local_params_per_rank"]),
         )  # fmt: skip

@@ -101,3 +101,28 @@ def test_bench_offload_fsdp2_tiny(tmp_path: Path) -> None:
     # moments only, on each rank's shards (the shards are host fp32: stepped in place)
     for n, b in zip(rows["FSDP2 + ChunkedAdamW"]["local_params_per_rank"], rows["FSDP2 + ChunkedAdamW"]["host_optimizer_bytes_per_rank"]):
         assert 8 * n <= b
+
+
+def test_bench_offload_ddp_tiny(tmp_path: Path) -> None:
+    json_path = tmp_path / "ddp.json"
+    argv = ["--mode", "offload", "--ddp", "--ranks", "2", "--width", "64", "--layers", "4", "--batch", "8",
+            "--chunk-size", "16KiB", "--steps", "2", "--repeats", "1", "--json", str(json_path)]
+    assert bench.main(argv) == 0
+    rows = {r["contender"]: r for r in json.loads(json_path.read_text())["results"]}
+    # on the CPU the device exchange has no row (it needs CUDA and NCCL)
+    assert set(rows) == {"DDP + AdamW fused", "DDP + ChunkedAdamW, every rank steps all", "DDP + ChunkedAdamW, host exchange (gloo)"}
+    assert rows["DDP + ChunkedAdamW, every rank steps all"]["exchange_backend"] is None
+    chunked = rows["DDP + ChunkedAdamW, host exchange (gloo)"]
+    assert chunked["exchange_backend"] == "gloo" and rows["DDP + AdamW fused"]["exchange_backend"] is None
+    # every rank holds every parameter; ChunkedAdamW's state is split: each rank's arena holds its
+    # own chunks' 12 B/param (4 chunks of 64 x 64 + 64 fp32 = 16.25 KiB: 2 per rank), AdamW's 8 B/param everywhere
+    assert chunked["local_params_per_rank"] == [4 * (64 * 64 + 64)] * 2
+    assert all(12 * 2 * (64 * 64 + 64) <= b < 12 * 3 * (64 * 64 + 64) for b in chunked["host_optimizer_bytes_per_rank"])
+    assert rows["DDP + AdamW fused"]["host_optimizer_bytes_per_rank"] == [8 * 4 * (64 * 64 + 64)] * 2
+
+
+def test_bench_offload_refuses_ddp_on_one_rank_and_both_modes(capsys) -> None:
+    assert bench.main(["--mode", "offload", "--ddp", "--ranks", "1"]) == 2
+    assert "at least 2" in capsys.readouterr().err
+    assert bench.main(["--mode", "offload", "--ddp", "--fsdp2"]) == 2
+    assert "pass one of them" in capsys.readouterr().err
