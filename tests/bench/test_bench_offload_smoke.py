@@ -86,12 +86,17 @@ def test_bench_offload_largest_host_cap_tiny(tmp_path: Path) -> None:
         assert row["next_reason"].startswith("host-memory cap") and "--max-host-gb 0.002" in row["next_reason"]
 
 
-def test_bench_offload_fsdp2_tiny(tmp_path: Path) -> None:
-    json_path = tmp_path / "fsdp2.json"
-    argv = ["--mode", "offload", "--fsdp2", "--ranks", "2", "--width", "64", "--layers", "2", "--batch", "8",
+def run_ranks(tmp_path: Path, mode: str, layers: int) -> dict[str, dict]:
+    """``--mode offload --fsdp2`` or ``--ddp`` on 2 CPU ranks, tiny: the rows by contender."""
+    json_path = tmp_path / "ranks.json"
+    argv = ["--mode", "offload", mode, "--ranks", "2", "--width", "64", "--layers", str(layers), "--batch", "8",
             "--chunk-size", "16KiB", "--steps", "2", "--repeats", "1", "--json", str(json_path)]
     assert bench.main(argv) == 0
-    rows = {r["contender"]: r for r in json.loads(json_path.read_text())["results"]}
+    return {r["contender"]: r for r in json.loads(json_path.read_text())["results"]}
+
+
+def test_bench_offload_fsdp2_tiny(tmp_path: Path) -> None:
+    rows = run_ranks(tmp_path, "--fsdp2", layers=2)
     assert set(rows) == {"FSDP2 + AdamW fused", "FSDP2 + ChunkedAdamW"}
     assert rows["FSDP2 + AdamW fused"]["vs_adamw"] == 1.0
     for row in rows.values():
@@ -104,11 +109,7 @@ def test_bench_offload_fsdp2_tiny(tmp_path: Path) -> None:
 
 
 def test_bench_offload_ddp_tiny(tmp_path: Path) -> None:
-    json_path = tmp_path / "ddp.json"
-    argv = ["--mode", "offload", "--ddp", "--ranks", "2", "--width", "64", "--layers", "4", "--batch", "8",
-            "--chunk-size", "16KiB", "--steps", "2", "--repeats", "1", "--json", str(json_path)]
-    assert bench.main(argv) == 0
-    rows = {r["contender"]: r for r in json.loads(json_path.read_text())["results"]}
+    rows = run_ranks(tmp_path, "--ddp", layers=4)
     # on the CPU the device exchange has no row (it needs CUDA and NCCL)
     assert set(rows) == {"DDP + AdamW fused", "DDP + ChunkedAdamW, every rank steps all", "DDP + ChunkedAdamW, host exchange (gloo)"}
     assert rows["DDP + ChunkedAdamW, every rank steps all"]["exchange_backend"] is None
