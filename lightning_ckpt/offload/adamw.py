@@ -14,8 +14,8 @@ Call order, per training step (the main thread unless said otherwise):
    host fp32 buffer when the parameters are not fp32), torch's fused CPU AdamW kernel on the
    chunk's per-parameter views, the master weights written back into the parameters (CUDA: on
    another stream, an event recorded after), then the chunk is marked done.
-4. The next forward waits per chunk (1.); ``zero_grad``, ``state_dict``, ``load_state_dict`` and
-   ``step`` wait for every chunk. Parameters never seen in a module's forward before the first
+4. The next forward waits per chunk (1.); ``state_dict``, ``load_state_dict``, ``step`` and
+   ``zero_grad(set_to_none=False)`` wait for every chunk (``zero_grad()`` does not: see there). Parameters never seen in a module's forward before the first
    ``step()`` are stepped before ``step()`` returns.
 
 A failure in the worker is raised at the next wait (the next forward or ``step()``) and stays: the
@@ -109,8 +109,9 @@ class ChunkedAdamW(Optimizer):
             host arena over a gloo group of the optimizer's own (4 bytes per parameter per step
             through host memory and TCP). ``"device"``: parameters on CUDA with an NCCL process
             group: from the owner's device buffer over an NCCL communicator of the optimizer's own,
-            straight into the others' device memory. ``"auto"`` (default): ``"device"`` where it
-            applies, else ``"host"``. ``exchange_backend`` tells which one runs.
+            straight into the others' device memory (not yet run on GPUs; a worker failure on one
+            rank then stalls the others until NCCL's timeout). ``"auto"`` (default): ``"host"``
+            for now. ``exchange_backend`` tells which one runs.
         amsgrad, maximize, foreach, capturable, differentiable, fused: accepted for drop-in use of
             AdamW's arguments; anything but AdamW's defaults (``foreach``/``fused``: any value) is
             refused.
@@ -475,8 +476,12 @@ class ChunkedAdamW(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``. ``set_to_none=False`` keeps the gradients as views
         of the chunk buffers (zeroed in one fill per chunk): the next backward accumulates into them
-        directly; with ``True`` (torch's default) each fresh gradient is copied into its view."""
-        self.wait()
+        directly, so it waits for every chunk first. With ``True`` (torch's default) it does not
+        wait: a step in flight reads the gradients through its own references, and each fresh
+        gradient is copied into its view only once its chunk is done (``GradMover``), so
+        ``step(); zero_grad()`` before the next forward keeps the overlap."""
+        if not set_to_none:
+            self.wait()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -616,20 +621,23 @@ class ChunkedAdamW(Optimizer):
 
 
 def _device_exchange(device: torch.device, exchange: str, sharded: bool) -> bool:
-    """Does the sharded mode send updated values over NCCL (see ``exchange``)? Refuses
-    ``"device"`` where it cannot apply, whether or not this run is sharded: the same arguments
-    must not fail on some machine later."""
+    """Does the sharded mode send updated values over NCCL (see ``exchange``)? Only when asked
+    (``"auto"`` is the host exchange until the device one has run on GPUs). Refuses ``"device"``
+    where it cannot apply, whether or not this run is sharded: the same arguments must not fail on
+    another world size later. The same on every rank (device type, backend, torch build)."""
     dist = torch.distributed
-    nccl = dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
-    possible = device.type == "cuda" and (nccl or not sharded) and dist.is_nccl_available()
+    initialized = dist.is_available() and dist.is_initialized()
+    # ``init_process_group()`` without a backend reports "undefined"; its config names NCCL for CUDA
+    nccl = initialized and "nccl" in f"{dist.get_backend()} {dist.get_backend_config()}".lower()
+    possible = device.type == "cuda" and (nccl or not initialized) and dist.is_nccl_available()
     if exchange == "device" and not possible:
-        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "no process group"
+        backend = dist.get_backend_config() if initialized else "no process group"
         raise ValueError(
             f'ChunkedAdamW(exchange="device") sends updated values between CUDA devices over NCCL; the'
             f" parameters are on {device} ({backend}). Move the model to the GPU before building the"
             ' optimizer and train with the NCCL backend, or pass exchange="host" (or "auto").'
         )
-    return sharded and exchange != "host" and possible and nccl
+    return sharded and exchange == "device" and possible and nccl
 
 
 def _reject_flat_parameters(params: list[torch.Tensor]) -> None:

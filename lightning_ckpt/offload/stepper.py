@@ -247,8 +247,9 @@ class Stepper:
                     if source is not None:
                         flat.copy_(source, non_blocking=True)
                     if self.device_group is not None:
-                        # Issued with h2d current: NCCL's stream waits for the copy above, and
-                        # h2d for the broadcast before the parameter copies below read ``flat``.
+                        # Issued with h2d current, so it is ordered on h2d after the copy above
+                        # and before the parameter copies below that read ``flat`` (NCCL runs on,
+                        # or is joined to, the caller's current stream).
                         torch.distributed.broadcast(flat, src=c.owner, group=self.device_group)
                     for i in job.members:
                         p = c.local(i)

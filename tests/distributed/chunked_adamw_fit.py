@@ -135,7 +135,8 @@ def main(report: str) -> None:
 def main_gpu(report: str) -> None:
     _, host = fit(True, 2 * EPOCH, exchange="host", accelerator="gpu")
     device_trainer, device = fit(True, 2 * EPOCH, exchange="device", accelerator="gpu")
-    gathered = device_trainer.strategy.all_gather(flat(device))
+    # fit's teardown moved the model to the CPU; NCCL gathers CUDA tensors
+    gathered = device_trainer.strategy.all_gather(flat(device).to(device_trainer.strategy.root_device))
     if device_trainer.global_rank == 0:
         with open(report, "w") as f:
             json.dump(

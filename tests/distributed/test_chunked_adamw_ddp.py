@@ -11,7 +11,7 @@ pytestmark = pytest.mark.distributed
 def test_chunked_adamw_ddp_on_two_cpu_ranks(tmp_path):
     result = run_script("distributed/chunked_adamw_fit.py", tmp_path=tmp_path)
     assert result["world_size"] == 2
-    assert result["exchange_backend"] == "gloo"  # "auto" on CPU: the host exchange
+    assert result["exchange_backend"] == "gloo"  # "auto": the host exchange
     owned = result["owned_per_rank"]
     assert sum(owned) == result["chunks"] and all(n >= 1 for n in owned)
     # each rank's host memory holds its share of the chunks only (12 B/param in all)
