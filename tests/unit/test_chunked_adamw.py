@@ -272,9 +272,9 @@ def test_a_worker_failure_surfaces_at_the_next_step_and_nothing_hangs():
         net(torch.ones(4))
 
 
-def test_the_next_forward_and_state_dict_wait_for_a_delayed_worker():
-    """Under an injected delay (the worker is held until the forward has begun), the step runs
-    after step() returned and the next forward and model.state_dict() still see updated weights."""
+def held_pair():
+    """A small net with an overlapping ``ChunkedAdamW`` whose worker runs each job only once
+    ``gate`` is set, and a copy with one that does not overlap (the reference)."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(7, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
     ref = copy.deepcopy(net)
@@ -288,6 +288,13 @@ def test_the_next_forward_and_state_dict_wait_for_a_delayed_worker():
         run(job)
 
     opt._worker.run = delayed
+    return net, ref, opt, ref_opt, gate
+
+
+def test_the_next_forward_and_state_dict_wait_for_a_delayed_worker():
+    """Under an injected delay (the worker is held until the forward has begun), the step runs
+    after step() returned and the next forward and model.state_dict() still see updated weights."""
+    net, ref, opt, ref_opt, gate = held_pair()
     g = torch.Generator().manual_seed(0)
     for step in range(4):
         x = torch.randn(5, 7, generator=g)
@@ -320,14 +327,7 @@ def test_torch_order_step_then_zero_grad_keeps_the_overlap(set_to_none):
     """``step(); zero_grad()`` before the next forward (torch's loop): ``zero_grad()`` returns
     while the step is still held (``set_to_none=False`` zeroes the buffers the step reads, so it
     waits), and the weights equal the optimizer without overlap bit for bit."""
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(7, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
-    ref = copy.deepcopy(net)
-    opt = ChunkedAdamW(net.parameters(), lr=1e-2, chunk_size=64)
-    ref_opt = ChunkedAdamW(ref.parameters(), lr=1e-2, chunk_size=64, overlap=False)
-    gate = threading.Event()
-    run = opt._worker.run
-    opt._worker.run = lambda job: (gate.wait(), run(job))
+    net, ref, opt, ref_opt, gate = held_pair()
     g = torch.Generator().manual_seed(0)
     held_after_zero_grad = []
     for step in range(4):
