@@ -338,13 +338,16 @@ def test_torch_order_step_then_zero_grad_keeps_the_overlap(set_to_none):
         ref_loss.backward()
         gate.clear()
         opt.step()
-        release = threading.Timer(0.2, gate.set)
+        # set_to_none=False waits for the step: the worker is released from another thread (with
+        # True, only a zero_grad() that waited, wrongly, is released so: it then fails, not hangs)
+        release = threading.Timer(10.0 if set_to_none else 0.05, gate.set)
         release.start()
         opt.zero_grad(set_to_none=set_to_none)
         held_after_zero_grad.append(not all(c.done.is_set() for c in opt._chunks))
+        gate.set()
+        release.cancel()
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=set_to_none)
-        release.join()
     opt.wait()
     assert held_after_zero_grad == [set_to_none] * 4
     for (key, value), expected in zip(net.state_dict().items(), ref.state_dict().values()):
