@@ -107,14 +107,16 @@ def _train(rank: int, world: int, port: int, args: Any, queue: Any) -> None:
                 x = torch.randn(args.batch, args.width, device=device)
 
                 def step() -> None:
-                    # DDP on CUDA computes in bf16 as the FSDP2 rows do (their MixedPrecisionPolicy)
+                    # Lightning's order: zero_grad() after the forward, which ChunkedAdamW's last
+                    # step overlaps (zero_grad() waits for it). DDP on CUDA computes in bf16 as
+                    # the FSDP2 rows do (their MixedPrecisionPolicy).
                     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda and args.ddp):
                         out = model(x)
+                    opt.zero_grad()
                     out.float().pow(2).mean().backward()
                     if kind != "torchao":  # it has no gradient clipping across its host copies
                         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
                     opt.step()
-                    opt.zero_grad()
 
                 step()
                 sync()

@@ -14,8 +14,8 @@ Call order, per training step (the main thread unless said otherwise):
    host fp32 buffer when the parameters are not fp32), torch's fused CPU AdamW kernel on the
    chunk's per-parameter views, the master weights written back into the parameters (CUDA: on
    another stream, an event recorded after), then the chunk is marked done.
-4. The next forward waits per chunk (1.); ``state_dict``, ``load_state_dict``, ``step`` and
-   ``zero_grad(set_to_none=False)`` wait for every chunk (``zero_grad()`` does not: see there). Parameters never seen in a module's forward before the first
+4. The next forward waits per chunk (1.); ``zero_grad``, ``state_dict``, ``load_state_dict`` and
+   ``step`` wait for every chunk. Parameters never seen in a module's forward before the first
    ``step()`` are stepped before ``step()`` returns.
 
 A failure in the worker is raised at the next wait (the next forward or ``step()``) and stays: the
@@ -476,12 +476,11 @@ class ChunkedAdamW(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``. ``set_to_none=False`` keeps the gradients as views
         of the chunk buffers (zeroed in one fill per chunk): the next backward accumulates into them
-        directly, so it waits for every chunk first. With ``True`` (torch's default) it does not
-        wait: a step in flight reads the gradients through its own references, and each fresh
-        gradient is copied into its view only once its chunk is done (``GradMover``), so
-        ``step(); zero_grad()`` before the next forward keeps the overlap."""
-        if not set_to_none:
-            self.wait()
+        directly; with ``True`` (torch's default) each fresh gradient is copied into its view.
+        Waits for every chunk: parameters read right after ``step(); zero_grad()`` are the
+        updated ones. Call it after the next forward, as Lightning does (forward, ``zero_grad``,
+        backward, ``step``), for the step to overlap that forward."""
+        self.wait()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
