@@ -93,11 +93,10 @@ def _train(rank: int, world: int, port: int, args: Any, queue: Any) -> None:
                     for layer in net:
                         fully_shard(layer, mesh=mesh, **policy)
                     model = fully_shard(net, mesh=mesh, **policy)
-                if kind == "chunked" and args.ddp:
-                    opt = lc.ChunkedAdamW(net.parameters(), lr=1e-4, chunk_size=args.chunk_size, **DDP_CONTENDERS[name])
+                if kind == "chunked":
+                    options = DDP_CONTENDERS[name] if args.ddp else {}
+                    opt = lc.ChunkedAdamW(net.parameters(), lr=1e-4, chunk_size=args.chunk_size, **options)
                     backend = opt.exchange_backend
-                elif kind == "chunked":
-                    opt = lc.ChunkedAdamW(net.parameters(), lr=1e-4, chunk_size=args.chunk_size)
                 elif kind == "torchao":
                     from torchao.optim import CPUOffloadOptimizer
 
