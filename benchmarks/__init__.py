@@ -33,6 +33,7 @@ MODES: dict[str, tuple[str, str]] = {
     "compression": ("compression", "zstd on trained weights and AdamW state: ratio and MB/s per component, s3:// saves with and without"),
     "incremental": ("incremental", "LoRA-style and full fine-tunes: bytes written, durable time and async stall per save, incremental saves on and off"),
     "load": ("load", "a resume's load, cold page cache: ours, TorchCheckpointIO, DCP in place, safetensors, against the disk's read floor"),
+    "startup": ("startup", "the CLI's start-up (--help, inspect, verify) on a small checkpoint in fresh interpreters, against `import torch`"),
 }
 _KEEPS_MODE = ("distributed",)  # its parser takes --mode itself; it gets argv unchanged
 

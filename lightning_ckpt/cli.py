@@ -56,7 +56,7 @@ from lightning_ckpt.errors import (
     MissingDependencyError,
 )
 from lightning_ckpt.export import DTYPES, ExportError, export_hf
-from lightning_ckpt.format import legacy as legacy_dcp
+from lightning_ckpt.format.kind import META_FILE, file_rank, is_dcp_checkpoint
 from lightning_ckpt.format.manifest import Manifest
 from lightning_ckpt.format.plan import dtype_name, encode_checkpoint
 from lightning_ckpt.format.reader import not_found_message, read_manifest
@@ -77,12 +77,13 @@ _STORAGE_OPTIONS_EXAMPLE = """For example: --storage-options '{"client_kwargs": 
 _UNBOUNDED_WIDTH = 100_000
 
 
-def _stdout_console() -> Console:
-    """Rich's console for stdout. Piped or redirected, rich would fit the output to 80 columns (or
-    ``COLUMNS``, or the size of a terminal on another stream), cutting file names in the tables
-    with "…": there lines are as long as their content, for ``grep`` and ``awk``."""
-    console = Console()
-    return console if console.is_terminal else Console(width=_UNBOUNDED_WIDTH)
+def _console(stderr: bool = False) -> Console:
+    """Rich's console for stdout (or stderr). Piped or redirected, rich would fit the output to 80
+    columns (or ``COLUMNS``, or the size of a terminal on another stream), cutting file names in the
+    tables with "…" and splitting an error's path over two lines: there lines are as long as their
+    content, for ``grep`` and ``awk``."""
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=_UNBOUNDED_WIDTH)
 
 
 def _human(n: float) -> str:
@@ -122,7 +123,7 @@ def _describe(path: str, options: remote.RemoteOptions) -> dict[str, Any]:
         return _describe_remote(path, options)
     path = _local(path)
     if os.path.isdir(path):
-        return _describe_dcp(path) if legacy_dcp.is_dcp_checkpoint(path) else _describe_directory(path)
+        return _describe_dcp(path) if is_dcp_checkpoint(path) else _describe_directory(path)
     return _describe_file(path)
 
 
@@ -186,12 +187,14 @@ def _describe_file(path: str) -> dict[str, Any]:
 
 
 def _describe_dcp(path: str) -> dict[str, Any]:
-    layout = legacy_dcp.read_layout(path)  # metadata and meta.pt only: no tensor data is read
+    from lightning_ckpt.format.legacy import read_layout  # DCP's modules for DCP folders alone (format/kind.py)
+
+    layout = read_layout(path)  # metadata and meta.pt only: no tensor data is read
 
     def where(key_path: tuple[Any, ...]) -> dict[str, Any]:
         chunks = layout.chunks.get(key_path)
         if chunks is None:
-            return {"file": legacy_dcp.META_FILE}
+            return {"file": META_FILE}
         return {
             "file": chunks[0].file if chunks else None,
             "chunks": [{"file": c.file, "offsets": list(c.offsets), "shape": list(c.shape)} for c in chunks],
@@ -201,7 +204,7 @@ def _describe_dcp(path: str) -> dict[str, Any]:
     for entry in sorted(os.scandir(path), key=lambda e: e.name):
         if entry.is_file(follow_symlinks=False):
             size = entry.stat(follow_symlinks=False).st_size
-            files.append({"name": entry.name, "bytes": size, "rank": legacy_dcp.file_rank(entry.name), "digest": None})
+            files.append({"name": entry.name, "bytes": size, "rank": file_rank(entry.name), "digest": None})
     checkpoint = layout.checkpoint
     return {
         "path": path,
@@ -343,7 +346,7 @@ def _verify(path: str, options: remote.RemoteOptions, console: Console) -> int:
     path = _local(path)
     if not os.path.exists(path):  # a load's message would suggest resuming, which verify does not do
         raise CheckpointNotFoundError(not_found_message(path, resume_hint=False), path)
-    if not os.path.isdir(path) or legacy_dcp.is_dcp_checkpoint(path):
+    if not os.path.isdir(path) or is_dcp_checkpoint(path):
         load_checkpoint(path, weights_only=True)
         kind = "stock DCP checkpoint" if os.path.isdir(path) else "single-file checkpoint"
         console.print(f"[yellow]{escape(path)}: {kind}: it loads, but it carries no checksums to verify.")
@@ -373,7 +376,7 @@ def _convert(
         console.print(f"[red]error:[/red] destination {escape(repr(dst))} exists; choose a new path.", highlight=False)
         return 2
     if to is None:  # the other form: our directories become files, files and DCP folders directories
-        ours = remote_src or (os.path.isdir(src) and not legacy_dcp.is_dcp_checkpoint(src))
+        ours = remote_src or (os.path.isdir(src) and not is_dcp_checkpoint(src))
         to = "file" if ours and not remote_dst else "directory"
     checkpoint = load_checkpoint(src, weights_only=not unsafe, storage_options=dict(options.storage_options))
     if to == "file":
@@ -474,12 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("bench", help="benchmark against Lightning's CheckpointIO", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-
         return bench_main(argv[1:])
     args = parser.parse_args(argv)
     options = remote.RemoteOptions(storage_options=args.storage_options)
-    console = _stdout_console()
-    err = Console(stderr=True)
+    console = _console()
+    err = _console(stderr=True)
     try:
         if args.command == "inspect":
             return _inspect(args.path, options, console, args.json)

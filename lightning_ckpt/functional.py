@@ -11,9 +11,9 @@ from typing import Any
 
 from lightning_ckpt import remote
 from lightning_ckpt.errors import CheckpointError, CheckpointNotFoundError
-from lightning_ckpt.format import legacy as legacy_dcp
 from lightning_ckpt.format import manifest as fmt
 from lightning_ckpt.format import reader
+from lightning_ckpt.format.kind import is_dcp_checkpoint
 from lightning_ckpt.format.plan import parse_size
 from lightning_ckpt.save import job as savejob
 from lightning_ckpt.store.commit import WriteResult
@@ -81,9 +81,11 @@ def load_checkpoint(
         return load_remote(os.fspath(path), options, map_location, weights_only, verify)
     path = savejob.local_path(path)
     if os.path.isdir(path):
+        if is_dcp_checkpoint(path):  # written by Lightning's own sharded strategies
+            # Imported for these folders alone: DCP and DTensor cost ~0.6 s of start-up (format/kind.py).
+            from lightning_ckpt.format.legacy import load_dcp_checkpoint
 
-        if legacy_dcp.is_dcp_checkpoint(path):  # written by Lightning's own sharded strategies
-            return legacy_dcp.load_dcp_checkpoint(path, map_location, weights_only)
+            return load_dcp_checkpoint(path, map_location, weights_only)
         return reader.load(path, map_location, weights_only, verify_checksums=bool(verify))
     if not os.path.exists(path):
         raise CheckpointNotFoundError(reader.not_found_message(path), path)

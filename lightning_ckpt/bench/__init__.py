@@ -20,7 +20,8 @@ MODES: dict[str, tuple[str, str]] = {
 }
 # The modes only benchmarks/ has (``benchmarks.MODES``: these and its research versions of MODES).
 REPOSITORY_MODES = (
-    "train", "distributed", "activations", "fragmentation", "release", "remote", "offload", "compression", "incremental", "load"
+    "train", "distributed", "activations", "fragmentation", "release", "remote", "offload", "compression", "incremental", "load",
+    "startup",
 )  # fmt: skip
 DEFAULT_MODE = "save"
 _KEEPS_MODE = ("save",)  # its parser takes --mode itself; it gets argv unchanged

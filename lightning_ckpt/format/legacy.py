@@ -52,26 +52,13 @@ from lightning_ckpt.errors import (
     UnsafeCheckpointError,
     UnsupportedFormatError,
 )
-from lightning_ckpt.format.manifest import MANIFEST_FILE, is_safe_name
+from lightning_ckpt.format.kind import META_FILE, METADATA_FILE
+from lightning_ckpt.format.manifest import is_safe_name
 from lightning_ckpt.format.plan import format_key_path
 from lightning_ckpt.format.reader import MapLocation, device_for, load_legacy
 
-METADATA_FILE = ".metadata"  # DCP's
-META_FILE = "meta.pt"  # Lightning's: the checkpoint dict less the DCP part
-_DATA_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")  # DCP FileSystemWriter: __<rank>_<file index>.distcp
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)")
 _MAX_LIST_INDEX = 2**20  # far above any real list of optimizers or parameter groups
-
-
-def is_dcp_checkpoint(path: str) -> bool:
-    """A folder with DCP's ``.metadata`` and no lightning_ckpt manifest."""
-    return os.path.isfile(os.path.join(path, METADATA_FILE)) and not os.path.exists(os.path.join(path, MANIFEST_FILE))
-
-
-def file_rank(name: str) -> int:
-    """The global rank that wrote file ``name`` of a DCP folder: ``r`` for ``__<r>_<i>.distcp``, else 0."""
-    match = _DATA_FILE.fullmatch(name)
-    return int(match.group(1)) if match else 0
 
 
 @dataclass(frozen=True, slots=True)

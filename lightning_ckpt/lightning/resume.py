@@ -19,7 +19,7 @@ from lightning_ckpt.errors import (
 )
 from lightning_ckpt.format import manifest as fmt
 from lightning_ckpt.format import reader
-from lightning_ckpt.format.legacy import is_dcp_checkpoint
+from lightning_ckpt.format.kind import is_dcp_checkpoint
 
 
 @dataclass(frozen=True)

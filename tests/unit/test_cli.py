@@ -50,6 +50,20 @@ def test_inspect_piped_cuts_no_file_name(tmp_path):
         assert any(f" {name} " in line for line in lines), (name, proc.stdout)
 
 
+def test_piped_error_keeps_the_path_on_one_line(tmp_path):
+    # Piped, rich wrapped stderr at 80 columns (COLUMNS here) and split the path in two.
+    missing = str(tmp_path / ("a-rather-long-folder-name-" * 3) / "missing.ckpt")
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_ckpt", "verify", missing],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "40"},
+    )
+    assert proc.returncode == 1
+    assert any(missing in line for line in proc.stderr.splitlines()), proc.stderr
+
+
 def test_verify_names_the_damaged_file_and_exits_non_zero(tmp_path, capsys):
     _checkpoint(tmp_path)
     shard = tmp_path / "c.ckpt" / "model-00001-of-00001.safetensors"
@@ -162,3 +176,49 @@ def test_convert_to_picks_the_form(tmp_path):
     assert torch.load(tmp_path / "copy.pt", weights_only=True)["global_step"] == 7
     assert main(["convert", str(tmp_path / "c.ckpt"), str(tmp_path / "d.ckpt"), "--to", "directory"]) == 0
     assert torch.equal(lc.load_checkpoint(tmp_path / "d.ckpt")["state_dict"]["w"], state["state_dict"]["w"])
+
+
+_IMPORTED = """
+import sys
+from lightning_ckpt.cli import main
+for argv in {argvs!r}:
+    assert main(argv) == 0, argv
+heavy = ("lightning", "lightning.pytorch", "torch.distributed.checkpoint", "torch.distributed.tensor")
+print(sorted(name for name in heavy if name in sys.modules))
+"""
+
+
+def _modules_after(argvs: list[list[str]]) -> list[str]:
+    """The heavy modules a fresh interpreter has imported after running the CLI's ``argvs``."""
+    code = _IMPORTED.format(argvs=argvs)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1].replace("'", '"'))
+
+
+def test_cli_imports_neither_lightning_nor_dcp_for_our_checkpoints_and_single_files(tmp_path):
+    # Start-up is import time: DCP and DTensor cost ~0.6 s, Lightning seconds. Our own folders and
+    # torch.save files need neither, for any command.
+    state = {**_checkpoint(tmp_path), "hyper_parameters": {"config": {"model_type": "custom"}}}
+    torch.save(state, tmp_path / "single.ckpt")
+    ours, single = str(tmp_path / "c.ckpt"), str(tmp_path / "single.ckpt")
+    argvs = [
+        ["inspect", ours],
+        ["inspect", ours, "--json"],
+        ["verify", ours],
+        ["inspect", single],
+        ["verify", single],
+        ["convert", ours, str(tmp_path / "to-file.ckpt")],
+        ["convert", single, str(tmp_path / "to-dir.ckpt")],
+        ["export-hf", single, str(tmp_path / "hf"), "--prefix", ""],
+    ]
+    assert _modules_after(argvs) == []
+
+
+def test_cli_imports_dcp_for_a_dcp_folder(tmp_path):
+    # The other side of the test above: a stock DCP folder does need DCP's reader.
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"state_dict": {"w": torch.randn(4)}}, checkpoint_id=str(tmp_path / "dcp.ckpt"))
+    imported = _modules_after([["inspect", str(tmp_path / "dcp.ckpt")]])
+    assert "torch.distributed.checkpoint" in imported and "lightning" not in imported
