@@ -54,6 +54,20 @@ class SaveOptions:
             raise ValueError(f"`part_timeout={self.part_timeout!r}` must be a positive number of seconds.")
 
 
+def refuse_async_only(async_save: bool, given: dict[str, tuple[Any, Any]]) -> None:
+    """Refuse options that only async saves read, set while ``async_save`` is off: silently
+    ignored, they would promise what no save does (``when_busy="skip"`` skipping nothing).
+    ``given`` maps each option's name to (its value, its default)."""
+    if async_save:
+        return
+    changed = [f"{name}={value!r}" for name, (value, default) in given.items() if value != default]
+    if changed:
+        raise ValueError(
+            f"`{', '.join(changed)}` applies to async saves only, and `async_save` is False. Pass"
+            f" `ShardedCheckpointIO(async_save=True, ...)`, or drop {'it' if len(changed) == 1 else 'them'}."
+        )
+
+
 def remote_options(
     *,
     storage_options: Optional[dict[str, Any]],
@@ -94,4 +108,4 @@ def remote_options(
     )
 
 
-__all__ = ["AsyncOptions", "SaveOptions", "VERIFY_MODES", "one_of", "remote_options"]
+__all__ = ["AsyncOptions", "SaveOptions", "VERIFY_MODES", "one_of", "refuse_async_only", "remote_options"]

@@ -51,6 +51,7 @@ from lightning_ckpt.lightning.options import (
     AsyncOptions,
     SaveOptions,
     one_of,
+    refuse_async_only,
     remote_options,
 )
 from lightning_ckpt.lightning.resume import last_good
@@ -94,6 +95,7 @@ class CheckpointIOFeatures(Protocol):
 
     async_save: bool
     when_busy: str
+    max_shard_size: int
     loaded_instead: tuple[str, str] | None
     skipped_saves: int
     last_save: WriteResult | None
@@ -101,6 +103,8 @@ class CheckpointIOFeatures(Protocol):
     def overlapping(self) -> AbstractContextManager[None]: ...
 
     def prepare_staging(self, nbytes: int, on_device: bool) -> None: ...
+
+    def check_staging_pool(self, largest_image: int) -> None: ...
 
     def copy_wait_seconds(self, path: Any) -> float | None: ...
 
@@ -130,13 +134,18 @@ class ShardedCheckpointIO(CheckpointIO):
             ``None`` probes the filesystem and falls back to buffered writes where it is refused.
         buffer_size: size of each of the four reused host buffers that a synchronous save streams
             through; its extra host memory is about four times this, whatever the checkpoint size.
+            Rounded down to a multiple of 4 KiB (``O_DIRECT``'s alignment), and 4 KiB at least.
         async_save: ``save_checkpoint`` returns once the state is copied into a reused
             shared-memory staging pool; a persistent writer process writes and commits it.
         when_busy: what an async save does while the previous one is still being written:
             ``"wait"`` (block until it is durable, then save) or ``"skip"`` (skip this save with a
             warning, counted in ``skipped_saves``; the next removal is refused, so a skipped save
             never displaces a good checkpoint).
-        staging_pool_size: cap on the staging pool (``None``: as large as the state needs).
+        staging_pool_size: cap on the staging pool (``None``: as large as the state needs). A
+            larger state is staged through it in pieces, so it must hold the largest shard
+            (about ``max_shard_size``, or the largest tensor): a smaller cap is refused after the
+            first optimizer step, before any save. Async options without ``async_save=True`` are
+            refused at construction.
         on_error: a failed background write is ``"raise"`` d (once, at the next save, ``wait()`` or
             ``teardown()``) or only ``"warn"`` ed, so training goes on.
         max_write_rate: cap on the writer process's write rate, in bytes per second (``"1GB"``
@@ -239,6 +248,15 @@ class ShardedCheckpointIO(CheckpointIO):
             read_once=read_once,
         )
         one_of("async_save", async_save, (True, False))
+        refuse_async_only(
+            async_save,
+            {
+                "when_busy": (when_busy, "wait"),
+                "staging_pool_size": (staging_pool_size, None),
+                "max_write_rate": (max_write_rate, None),
+                "overlap_copies": (overlap_copies, True),
+            },
+        )
         async_options = AsyncOptions(
             when_busy=when_busy,
             pool_cap=None if staging_pool_size is None else parse_size(staging_pool_size, "staging_pool_size"),
@@ -301,7 +319,9 @@ class ShardedCheckpointIO(CheckpointIO):
                 max_write_rate=self.async_options.max_write_rate,
                 remote=self.remote,
             )
-            self._async = AsyncSaver(self.async_options, writer, self._outcomes, self._tracker, self._lock)
+            self._async = AsyncSaver(
+                self.async_options, writer, self._outcomes, self._tracker, self._lock, options.max_shard_size
+            )
 
     @property
     def sync_saver(self) -> SyncSaver:
@@ -446,6 +466,13 @@ class ShardedCheckpointIO(CheckpointIO):
         grows the pool at its save."""
         if self._async is not None:
             self._async.prepare_staging(nbytes, on_device)
+
+    def check_staging_pool(self, largest_image: int) -> None:
+        """Async mode: raise ``ValueError`` (the numbers, the fix) if ``staging_pool_size`` is
+        below ``largest_image``, the largest shard image the state can make
+        (``save.staging.largest_image``): refused at the first step, not at the first save."""
+        if self._async is not None:
+            self._async.check_pool(largest_image)
 
     def copy_wait_seconds(self, path: Any) -> float | None:
         """How long the training stream idled (GPU time) for the device copies of the latest async

@@ -46,7 +46,7 @@ from lightning_ckpt.format.reader import read_manifest
 from lightning_ckpt.lightning.plugin import CheckpointIOFeatures, ShardedCheckpointIO
 from lightning_ckpt.offload.shares import own_shares
 from lightning_ckpt.remote import is_remote
-from lightning_ckpt.save.staging import optimizer_state_tensors, staging_need
+from lightning_ckpt.save.staging import largest_image, optimizer_state_tensors, staging_need
 
 
 # Per trainer, the load its latest restore made (``collective_restores``): logged once, by
@@ -175,23 +175,23 @@ def save_from_ranks(trainer: pl.Trainer, filepath: str, weights_only: bool) -> N
 
 
 def prepare_staging(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    """Let an async plugin fault in (and page-lock) its staging pool in the background now, long
-    before the first save, sized for this rank's state. Skipped for spread DDP writes (each rank
-    stages a part only the plan knows)."""
+    """After the first optimizer step (its state exists now): refuse an async plugin's staging
+    pool too small for this state's largest shard, and let the plugin fault in (and page-lock) its
+    pool in the background, long before the first save, sized for this rank's state. The pool is
+    not prepared for spread DDP writes (each rank stages a part only the plan knows)."""
 
     io = trainer.strategy.checkpoint_io
     if not isinstance(io, CheckpointIOFeatures) or not io.async_save:
         return
-    if trainer.world_size > 1 and not isinstance(trainer.strategy, (ModelParallelStrategy, FSDPStrategy)):
-        return
     # Parameters and buffers, not ``state_dict()``: under FSDP (1) that would gather every full
     # parameter onto every rank; these are this rank's shards (FSDP1's flat parameters, FSDP2's
     # DTensors) and count tied weights once.
-    tensors = [*pl_module.parameters(), *pl_module.buffers()]
-    for optimizer in trainer.optimizers:
-        tensors += optimizer_state_tensors(optimizer)
-    nbytes, on_device = staging_need(tensors)
-    io.prepare_staging(nbytes, on_device)
+    model = [*pl_module.parameters(), *pl_module.buffers()]
+    state = [t for optimizer in trainer.optimizers for t in optimizer_state_tensors(optimizer)]
+    io.check_staging_pool(largest_image([model, state], io.max_shard_size))
+    if trainer.world_size > 1 and not isinstance(trainer.strategy, (ModelParallelStrategy, FSDPStrategy)):
+        return
+    io.prepare_staging(*staging_need(model + state))
 
 
 def _full_state_io(strategy: Strategy) -> Any:

@@ -56,9 +56,16 @@ class AsyncSaver:
     """Async saves of one plugin (see the module docstring). Every method runs under ``lock``."""
 
     def __init__(
-        self, config: AsyncOptions, writer: WriterConfig, outcomes: Outcomes, tracker: Tracker | None, lock: threading.RLock
+        self,
+        config: AsyncOptions,
+        writer: WriterConfig,
+        outcomes: Outcomes,
+        tracker: Tracker | None,
+        lock: threading.RLock,
+        max_shard_size: int,
     ) -> None:
         self.options, self.when_busy, self.lock, self.outcomes = writer.remote, config.when_busy, lock, outcomes
+        self.max_shard_size = max_shard_size  # the plan's cap: what a capped pool must hold (``check_pool``)
         self.tracker = tracker  # incremental saves (``None``: every save stages and writes every file)
         self.tickets: dict[int, Ticket] = {}  # writer job id -> its incremental ticket
         self.pool = StagingPool(config.pool_cap)
@@ -246,6 +253,19 @@ class AsyncSaver:
             error, self.action_errors = self.action_errors[0], []
             raise error
 
+    def check_pool(self, largest_image: int) -> None:
+        """Refuse a capped pool smaller than ``largest_image`` (the largest shard image the state
+        can make: ``staging.largest_image``) now, before the first save fails on it."""
+        cap = self.pool.max_bytes
+        if cap is not None and cap < largest_image:
+            raise ValueError(
+                f"`staging_pool_size` ({cap:,} bytes) is smaller than the largest shard this state can make"
+                f" (up to {largest_image:,} bytes with `max_shard_size={self.max_shard_size:,}`): the first async save"
+                f" would fail. Raise `ShardedCheckpointIO(staging_pool_size=...)` to at least {largest_image:,} bytes,"
+                " or lower `max_shard_size` (a tensor larger than it still needs a shard of its own), or leave"
+                " `staging_pool_size` unset (a pool as large as the state)."
+            )
+
     def prepare_staging(self, nbytes: int, on_device: bool) -> None:
         """Async mode: start the writer process, and allocate the staging pool for a state of
         about ``nbytes`` now and fault it in (and page-lock it, ``on_device``) in the background,
@@ -277,7 +297,9 @@ class AsyncSaver:
             return
         self.warmed = True
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        nbytes, on_device = staging.staging_need(params + staging.optimizer_state_tensors(optimizer))
+        state = staging.optimizer_state_tensors(optimizer)
+        nbytes, on_device = staging.staging_need(params + state)
+        self.check_pool(staging.largest_image([params, state], self.max_shard_size))
         self.prepare_staging(nbytes, on_device)
 
     def copy_wait_seconds(self, path: Any) -> float | None:

@@ -79,6 +79,25 @@ def staging_need(tensors: list[torch.Tensor]) -> tuple[int, bool]:
     return sum(t.nbytes for t in local), any(t.is_cuda for t in local)
 
 
+# Room for a tensor's entry in a shard image's safetensors header (name, dtype, shape, offsets: ~100
+# bytes for a typical key path), with room for long names.
+_HEADER_ENTRY_ROOM = 512
+
+
+def largest_image(groups: list[list[torch.Tensor]], max_shard_size: int) -> int:
+    """An upper bound on the largest shard image a save of ``groups`` makes (each group one
+    component's tensors, as this rank stages them): the plan packs a component's tensors up to
+    ``max_shard_size`` and gives a larger tensor a shard of its own. A staging pool below it cannot
+    stage that shard (``Ring.alloc``); the header's room counts every tensor of the group."""
+    largest = 0
+    for group in groups:
+        sizes = [getattr(t, "_local_tensor", t).nbytes for t in group]
+        if sizes:
+            data = max(max(sizes), min(max_shard_size, sum(sizes)))
+            largest = max(largest, aligned(8 + data + _HEADER_ENTRY_ROOM * len(sizes)))
+    return largest
+
+
 def one_device(plan: Plan) -> torch.device | None:
     """The one CUDA device ``plan``'s tensors live on (``None``: host memory only). A pool has one
     side stream and one event per save: a copy from another device would run on that device's
@@ -343,7 +362,10 @@ class Ring:
     def alloc(self, size: int) -> int | None:
         """Start of a free region of ``size`` bytes, or ``None`` until older regions are freed."""
         if size > self.capacity:
-            raise ValueError(f"a {size}-byte shard image cannot fit a {self.capacity}-byte pool")
+            raise ValueError(
+                f"a {size:,}-byte shard image cannot fit the {self.capacity:,}-byte staging pool: raise"
+                f" `ShardedCheckpointIO(staging_pool_size=...)` to at least {size:,} bytes, or lower `max_shard_size`."
+            )
         if not self._live:
             start = 0
         else:

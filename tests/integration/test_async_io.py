@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from models import STEPS_PER_EPOCH, fit_regressor
+from models import STEPS_PER_EPOCH, TinyRegressor, fit_regressor, trainer_kwargs
 
 import lightning_ckpt as lc
 from lightning_ckpt.format.plan import iter_tensors
@@ -337,3 +337,35 @@ def test_interrupted_chunked_save_does_not_hang_teardown(tmp_path, monkeypatch):
     threading.Thread(target=teardown, daemon=True).start()
     assert done.wait(60), "teardown hung after an interrupted save"
     assert not (tmp_path / "x.ckpt").exists()
+
+
+@pytest.mark.parametrize("callback", ["ours", "stock"])
+def test_a_pool_too_small_for_the_largest_shard_is_refused_at_the_first_steps_not_the_first_save(tmp_path, callback):
+    # With a 500-step interval, failing at the first save would lose 500 steps: the warm-up after
+    # the first optimizer step (ours), or before the second one (stock ModelCheckpoint: the plugin's
+    # optimizer hook), refuses it with the numbers and the fix.
+    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    checkpoint_class = lc.ShardedModelCheckpoint if callback == "ours" else ModelCheckpoint
+    io = lc.ShardedCheckpointIO(async_save=True, staging_pool_size="1KB")
+    steps: list[int] = []
+
+    class Counting(Callback):
+        def on_train_batch_start(self, trainer, *args):
+            steps.append(trainer.global_step)
+
+    trainer = Trainer(
+        max_epochs=200,
+        plugins=[io],
+        callbacks=[checkpoint_class(dirpath=tmp_path, every_n_train_steps=500), Counting()],
+        **trainer_kwargs(),
+    )
+    try:
+        with pytest.raises(ValueError) as info:
+            trainer.fit(TinyRegressor())
+    finally:
+        io.teardown()
+    message = str(info.value)
+    assert "staging_pool_size" in message and "1,000 bytes" in message and "max_shard_size" in message
+    assert max(steps) <= 1 and not os.listdir(tmp_path)

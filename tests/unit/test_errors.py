@@ -322,6 +322,21 @@ def test_bad_arguments_are_named():
         lc.save_checkpoint([1, 2], "x.ckpt")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    "option",
+    [{"when_busy": "skip"}, {"staging_pool_size": "1GB"}, {"max_write_rate": "1GB"}, {"overlap_copies": False}],
+)
+def test_async_only_options_without_async_save_are_refused_at_construction(option):
+    # Silently ignored, when_busy="skip" would skip nothing and a rate cap cap nothing.
+    ((name, value),) = option.items()
+    with pytest.raises(ValueError) as info:
+        lc.ShardedCheckpointIO(**option)
+    message = str(info.value)
+    assert f"{name}={value!r}" in message and "async_save=True" in message
+    lc.ShardedCheckpointIO(async_save=True, **option).teardown()  # with async_save, accepted
+    lc.ShardedCheckpointIO(when_busy="wait", staging_pool_size=None)  # the defaults, spelled out
+
+
 def test_a_write_error_mid_shard_raises_instead_of_hanging(tmp_path, monkeypatch):
     import threading
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lightning_ckpt.format.plan import make_plan
+from lightning_ckpt.save import staging
 from lightning_ckpt.save.staging import ALIGN, Ring, StagingPool, aligned, layout
 
 
@@ -220,3 +221,17 @@ def test_a_background_unmap_leaves_only_the_plain_mapping_to_its_thread():
     assert owned.view is None and owned.preparer is None and owned.fd is None and owned.mapping is None
     assert sys.getrefcount(view) == 2  # ours and the call's: the pool's and its thread's went on this thread
     assert not [t for t in threading.enumerate() if t.name == "lightning_ckpt-pin"]
+
+
+@pytest.mark.parametrize("max_shard_size", [1_000, 50_000, 10**9])
+def test_largest_image_bounds_every_shard_image_of_the_plan(max_shard_size):
+    # The warm-up's refusal of a small staging pool rests on this bound: never below a real image.
+    gen = torch.Generator().manual_seed(0)
+    model = {f"layers.{i}.weight_with_a_rather_long_name": torch.randn(int(torch.randint(1, 5_000, (1,), generator=gen))) for i in range(40)}
+    state = {i: {"exp_avg": torch.randn(v.numel()), "step": torch.tensor(1.0)} for i, v in enumerate(model.values())}
+    checkpoint = {"state_dict": model, "optimizer_states": [{"state": state}]}
+    image_layout, _ = staging.layout(make_plan(checkpoint, max_shard_size))
+    largest_real = max(size for _, size in image_layout.images.values())
+    optimizer = [t for s in state.values() for t in s.values()]
+    bound = staging.largest_image([list(model.values()), optimizer], max_shard_size)
+    assert largest_real <= bound <= largest_real + 512 * 80 + 4096 + max_shard_size
