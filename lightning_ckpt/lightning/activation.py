@@ -49,6 +49,8 @@ Every hook runs on every rank; nothing here communicates.
 
 import functools
 import inspect
+import os
+import sys
 import threading
 import warnings
 from collections import Counter
@@ -260,6 +262,20 @@ def _cache_parameters(impl: Callable[..., Any], bound: bool) -> tuple[tuple[str,
     return tuple(found)
 
 
+# Frames of these packages are not the caller a warning should point at (torch's ``Module.__call__``
+# sits between a model's forward and the checkpointed layer).
+_NOT_THE_CALLER = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__name__.split(".")[0]]))
+
+
+def _caller_stacklevel() -> int:
+    """``stacklevel`` for a ``warnings.warn`` in the function calling this: the innermost frame
+    outside torch and this package (the model code that called the layer)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_NOT_THE_CALLER):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _without_cache(installed: _Installed, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The call's arguments with every key/value cache it passes replaced by ``None`` (see
     ``CACHE_ARGUMENTS``); warns once per layer class when one was passed."""
@@ -282,7 +298,7 @@ def _without_cache(installed: _Installed, args: tuple[Any, ...], kwargs: dict[st
                 " the same. Pass `use_cache=False` to the model (or set `model.config.use_cache = False`) for"
                 " training to silence this.",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=_caller_stacklevel(),
             )
     return args, kwargs
 

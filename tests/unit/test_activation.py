@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import pickle
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -282,3 +283,37 @@ def test_compiled_model_no_recompiles_and_checkpoint_in_the_graph(selective):
     assert losses == train(None, steps=3, model=fresh())[0]
     assert len(graphs) == 1  # one graph, no recompile (fail_on_recompile_limit_hit would have raised)
     assert [n for n in graphs[0].graph.nodes if "checkpoint" in str(n.target)]  # the region is in the graph
+
+
+class _CachedLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, past_key_value: Any = None) -> torch.Tensor:
+        return self.linear(x)
+
+
+class _CachedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = _CachedLayer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x, past_key_value=object())  # the model code a cache warning points at
+
+
+def test_the_cache_warning_points_at_the_model_code_that_passed_the_cache():
+    # Not at torch's module.py (Module.__call__), where a fixed stacklevel landed.
+    import warnings
+
+    from lightning_ckpt.lightning import activation
+
+    activation._warned_cache.discard("_CachedLayer")
+    model = _CachedModel()
+    apply_activation_checkpointing(model, {_CachedLayer})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(2, DIM, requires_grad=True)).sum().backward()
+    (warning,) = [w for w in caught if "key/value cache" in str(w.message)]
+    assert (warning.filename, warning.lineno) == (__file__, _CachedModel.forward.__code__.co_firstlineno + 1)
