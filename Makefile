@@ -3,14 +3,15 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TORCH ?= 2.13.0
 
-.PHONY: install demo test test-newest test-all bench clean parity gpu-check
+.PHONY: install demo test test-newest test-all check-wheel bench clean parity gpu-check
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned: the CPU build; any other request would pull the CUDA packages.
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet torch==$(TORCH)
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
@@ -58,6 +59,12 @@ $(NEWEST_STAMP): setup.cfg pyproject.toml
 test-newest: $(NEWEST_STAMP)
 	$(NEWEST_PY) -c "import torch, lightning; print('torch', torch.__version__, '/ lightning', lightning.__version__)"
 	$(NEWEST_PY) -m pytest -q $(XDIST) $(NEWEST_TESTS) $(addprefix --ignore=,$(NEWEST_SKIP))
+
+# The package as a user installs it (.ci/wheel-check): the wheel and sdist built with PyPA `build`
+# (from the test extra), the wheel installed with torch first into a fresh venv, its command line
+# run both ways from outside the repository, a fit and a resume, then inspect and verify.
+check-wheel: $(STAMP)
+	.ci/wheel-check $(PY) $(PYTHON) $(TORCH)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "slow or not slow"

@@ -92,6 +92,11 @@ class ChunkedAdamW(Optimizer):
     for bit; the state dict has torch's AdamW format (both ways). Parameters of other dtypes
     (bf16, fp16) keep an fp32 master copy and moments; their gradients are upcast per chunk.
 
+    Under FSDP2 (``fully_shard``; Lightning's ``ModelParallelStrategy``) each rank steps its own
+    shards with no collective. That runs on CPUs too: ``Trainer(accelerator="cpu", devices=2,
+    strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))`` uses gloo by
+    itself (docs/offload.md, "Several GPUs: FSDP2 shards").
+
     Args:
         params: parameters or param groups, as for ``torch.optim.AdamW``. Parameters that do not
             require grad at construction are kept in the groups but get no chunk memory.
