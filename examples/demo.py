@@ -18,6 +18,7 @@ else runs on it: read them as orders of magnitude.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import logging
 import os
@@ -29,6 +30,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +47,8 @@ from lightning_ckpt import ShardedCheckpointIO, ShardedModelCheckpoint, verify_c
 from lightning_ckpt.bench.measure import MB, RssSampler, median, proc_status
 from lightning_ckpt.cli import main as cli
 
-# Off a terminal (piped, logged) rich would wrap at 80 columns: the table needs about 100.
-console = Console(highlight=False, soft_wrap=True, width=None if Console().is_terminal else 100)
+# Off a terminal (piped, logged) rich would wrap at 80 columns: the table needs about 125.
+console = Console(highlight=False, soft_wrap=True, width=None if Console().is_terminal else 125)
 INPUTS, OUTPUTS = 64, 16
 
 
@@ -106,8 +108,11 @@ def _children() -> list[int]:
     """This process's child processes (the async writer; nothing else here starts one)."""
     pids: list[int] = []
     for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
-        with open(path) as f:
-            pids += [int(pid) for pid in f.read().split()]
+        try:
+            with open(path) as f:
+                pids += [int(pid) for pid in f.read().split()]
+        except FileNotFoundError:  # a thread that ended since the listing
+            continue
     return pids
 
 
@@ -232,6 +237,22 @@ def final_state(run: Run) -> dict[str, torch.Tensor]:
     return state
 
 
+def ordinary_steps(starts: list[float], every: int) -> list[float]:
+    """The durations of the ordinary steps (see :func:`step_figures`)."""
+    durations = [b - a for a, b in zip(starts, starts[1:])]  # durations[i - 1]: step i (from 1)
+    return [d for i, d in enumerate(durations, 1) if i > 1 and (i < every or i % every >= QUIET_STEPS)]
+
+
+def median_noise(values: list[float]) -> float:
+    """Twice the standard error of ``values``' median (from their median absolute deviation): two
+    medians further apart than their noises combined differ beyond noise."""
+    if len(values) < 2:
+        return 0.0
+    center = statistics.median(values)
+    sigma = 1.4826 * statistics.median(abs(v - center) for v in values)
+    return 2 * 1.25 * sigma / len(values) ** 0.5  # a median of n values: ~1.25 sigma / sqrt(n)
+
+
 def step_figures(starts: list[float], every: int) -> tuple[float | None, float | None, float]:
     """(the median ordinary step, the time lost per save, its noise level) from the steps' start
     times, with a save at the end of every ``every``-th step.
@@ -245,7 +266,7 @@ def step_figures(starts: list[float], every: int) -> tuple[float | None, float |
     spread (median absolute deviation) of the ordinary steps.
     """
     durations = [b - a for a, b in zip(starts, starts[1:])]  # durations[i - 1]: step i (from 1)
-    ordinary = [d for i, d in enumerate(durations, 1) if i > 1 and (i < every or i % every >= QUIET_STEPS)]
+    ordinary = ordinary_steps(starts, every)
     saves = range(every, len(durations) - every + 2, every)  # saves with `every` steps from theirs on
     base = median(ordinary)
     if base is None or not saves:
@@ -271,6 +292,8 @@ class Figures:
     pool_mb: float  # the staging pool (shared memory) this process maps between saves
     writer_mb: float  # the private memory of the writer process
     fit_s: float
+    step_noise_s: float = 0.0  # ``median_noise`` of the ordinary steps
+    ranges: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)  # figure -> (min, max) over saves
 
     @property
     def held_mb(self) -> float:
@@ -285,23 +308,33 @@ def figures(run: Run, config: Config, stamped: StampedTorchIO | None) -> Figures
     if stamped is None:
         size = median([r["nbytes"] / MB for r in records if r["nbytes"] is not None])
         # committed by a rename once every file and the folder are fsynced: complete and durable at once
-        complete = fsynced = median([r["durable_s"] for r in records if r["durable_s"] is not None])
+        completes = [r["durable_s"] for r in records if r["durable_s"] is not None]
+        fsyncs: list[float] = completes
     else:
         size = os.path.getsize(run.checkpoint.last_model_path) / MB
-        complete = median([done - start for start, done in zip(meter.save_starts, stamped.complete)])
-        fsynced = None  # TorchCheckpointIO never calls fsync
+        completes = [done - start for start, done in zip(meter.save_starts, stamped.complete)]
+        fsyncs = []  # TorchCheckpointIO never calls fsync
+    per_save = {
+        "stall_s": [r["call_s"] + r["release_s"] for r in records],
+        "complete_s": completes,
+        "fsynced_s": fsyncs,
+        "peak_mb": meter.save_peaks_mb,
+        "step_s": ordinary_steps(meter.step_starts, config.steps_per_epoch),
+    }
     return Figures(
         size_mb=size,
-        stall_s=median([r["call_s"] + r["release_s"] for r in records]),
+        stall_s=median(per_save["stall_s"]),
         lost_s=None if lost is None else max(0.0, lost),
         noise_s=noise,
         step_s=step,
-        complete_s=complete,
-        fsynced_s=fsynced,
+        complete_s=median(completes),
+        fsynced_s=median(fsyncs) if fsyncs else None,
         peak_mb=median(meter.save_peaks_mb),
         pool_mb=meter.pool_mb,
         writer_mb=meter.writer_mb,
         fit_s=run.seconds,
+        step_noise_s=median_noise(per_save["step_s"]),
+        ranges={name: (min(values), max(values)) for name, values in per_save.items() if values},
     )
 
 
@@ -311,6 +344,27 @@ def _s(value: float | None) -> str:
 
 def _mb(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f} MB"
+
+
+def _ranged(f: Figures, name: str, show: Callable[[float | None], str]) -> str:
+    """``name``'s median with its range over the saves (or ordinary steps): ``0.012 s (0.010–0.015)``."""
+    value, spread = getattr(f, name), f.ranges.get(name)
+    if value is None or spread is None:
+        return show(value)
+    low, high = (show(v).split()[0] for v in spread)
+    return f"{show(value)} ({low}–{high})"
+
+
+def _step(f: Figures, base: Figures) -> str:
+    """The ordinary step, and against ``base``'s (TorchCheckpointIO) when it differs beyond noise:
+    then it is a cost of the IO (the writer competing for the cores), not noise."""
+    text = _ranged(f, "step_s", _s)
+    if f is base or f.step_s is None or base.step_s is None:
+        return text
+    if abs(f.step_s - base.step_s) <= f.step_noise_s + base.step_noise_s:
+        return f"{text}, same"
+    change = f.step_s / base.step_s - 1
+    return f"{text}, {'+' if change > 0 else '−'}{abs(change):.0%}"
 
 
 def _lost(f: Figures) -> str:
@@ -338,19 +392,20 @@ def compare(config: Config, out: str) -> Run:
         io = stamped if index == 0 else AsyncCheckpointIO(stamped) if index == 1 else ShardedCheckpointIO(async_save=True)
         runs.append(fit(config, os.path.join(out, f"run{index + 1}"), io))
         rows.append(figures(runs[-1], config, stamped))
-    table = Table(title=f"{len(runs[0].checkpoint.save_records)} saves of last.ckpt per run; medians per save", title_justify="left")
+    saves = len(runs[0].checkpoint.save_records)
+    table = Table(title=f"{saves} saves of last.ckpt per run; each value: the median (lowest–highest) over the saves", title_justify="left")
     table.add_column("figure", no_wrap=True)
     for name, _ in CONTENDERS:
         table.add_column(name, justify="right")
     quiet, window = QUIET_STEPS, config.steps_per_epoch
     for label, value in (
         ("checkpoint size", lambda f: _mb(f.size_mb)),
-        ("[1] stall: training blocked", lambda f: _s(f.stall_s)),
+        ("[1] stall: training blocked", lambda f: _ranged(f, "stall_s", _s)),
         ("[2] training time lost", _lost),
-        ("[3] ordinary step", lambda f: _s(f.step_s)),
-        ("[4] file complete after", lambda f: _s(f.complete_s)),
-        ("[5] fsynced (durable) after", lambda f: "never" if f.fsynced_s is None else _s(f.fsynced_s)),
-        ("[6] peak extra memory", lambda f: _mb(f.peak_mb)),
+        ("[3] ordinary step", lambda f: _step(f, rows[0])),
+        ("[4] file complete after", lambda f: _ranged(f, "complete_s", _s)),
+        ("[5] fsynced (durable) after", lambda f: "never" if f.fsynced_s is None else _ranged(f, "fsynced_s", _s)),
+        ("[6] peak extra memory", lambda f: _ranged(f, "peak_mb", _mb)),
         ("[7] memory held between saves", lambda f: _mb(f.held_mb)),
         ("[8] fit() wall time", lambda f: f"{f.fit_s:.1f} s"),
     ):
@@ -367,6 +422,8 @@ def compare(config: Config, out: str) -> Run:
         f"      shares the training process's GIL; ours: a writer process; {os.cpu_count()} cores here). \"within noise\": less\n"
         "      than twice its standard error, estimated from the spread of ordinary steps (never shown negative).\n"
         f"  [3] the median step {quiet} or more steps after a save (or before the first), when none is being written.\n"
+        "      Against TorchCheckpointIO's: \"same\" within the two medians' noise (twice their standard errors), else\n"
+        "      the difference: a cost of that IO (its writer competing with training for the cores), not noise.\n"
         "  [4] from the save call until the checkpoint is whole on disk: TorchCheckpointIO when the call returns,\n"
         "      AsyncCheckpointIO when its thread's torch.save returns, ours when the save is committed.\n"
         "  [5] ours: every file and the folder fsynced, then committed by one rename. Lightning's IOs never fsync:\n"

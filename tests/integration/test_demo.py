@@ -68,3 +68,19 @@ def test_time_lost_per_save_is_never_negative():
     assert demo._lost(figures) == "within noise"
     assert demo._lost(dataclasses.replace(figures, lost_s=0.3, noise_s=0.1)) == "0.300 s"
     assert demo._lost(dataclasses.replace(figures, lost_s=0.05, noise_s=0.1)) == "within noise"
+
+
+def test_each_figure_shows_its_range_and_a_slower_ordinary_step_beyond_noise_is_a_cost():
+    demo = _demo_module()
+    base = demo.Figures(
+        size_mb=1.0, stall_s=0.1, lost_s=0.0, noise_s=0.0, step_s=0.050, complete_s=0.1, fsynced_s=None,
+        peak_mb=0.0, pool_mb=0.0, writer_mb=0.0, fit_s=1.0, step_noise_s=0.002,
+        ranges={"stall_s": (0.09, 0.4), "step_s": (0.045, 0.07)},
+    )  # fmt: skip
+    assert demo._ranged(base, "stall_s", demo._s) == "0.100 s (0.090–0.400)"
+    assert demo._ranged(base, "complete_s", demo._s) == "0.100 s"  # no range recorded
+    slower = dataclasses.replace(base, step_s=0.060, ranges={"step_s": (0.05, 0.08)})
+    assert demo._step(slower, base) == "0.060 s (0.050–0.080), +20%"
+    assert demo._step(dataclasses.replace(slower, step_noise_s=0.01), base) == "0.060 s (0.050–0.080), same"
+    assert demo._step(base, base) == "0.050 s (0.045–0.070)"
+    assert demo.median_noise([1.0]) == 0.0 and demo.median_noise([1.0, 1.0, 1.0]) == 0.0
