@@ -34,13 +34,14 @@ Exit codes: 0 success; 1 the checkpoint is damaged or the operation failed; 2 ba
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import pickle
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -59,6 +60,7 @@ from lightning_ckpt.export import DTYPES, ExportError, export_hf
 from lightning_ckpt.format.kind import META_FILE, file_rank, is_dcp_checkpoint
 from lightning_ckpt.format.manifest import Manifest
 from lightning_ckpt.format.plan import dtype_name, encode_checkpoint
+from lightning_ckpt.format import reader
 from lightning_ckpt.format.reader import not_found_message, read_manifest
 from lightning_ckpt.functional import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -84,6 +86,29 @@ def _console(stderr: bool = False) -> Console:
     content, for ``grep`` and ``awk``."""
     console = Console(stderr=stderr)
     return console if console.is_terminal else Console(stderr=stderr, width=_UNBOUNDED_WIDTH)
+
+
+@contextlib.contextmanager
+def _progress_bar(description: str) -> Iterator[Callable[[int, int], None] | None]:
+    """On a terminal (stderr), a rich progress bar for a long command: bytes done, rate, time left;
+    yields its ``progress(done, total)`` callback. Piped or redirected, nothing: ``None``."""
+    err = Console(stderr=True)
+    if not err.is_terminal:
+        yield None
+        return
+    from rich.progress import (  # here: its import is paid on a terminal only
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task(description, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 def _human(n: float) -> str:
@@ -351,7 +376,8 @@ def _verify(path: str, options: remote.RemoteOptions, console: Console) -> int:
         kind = "stock DCP checkpoint" if os.path.isdir(path) else "single-file checkpoint"
         console.print(f"[yellow]{escape(path)}: {kind}: it loads, but it carries no checksums to verify.")
         return 0
-    manifest = verify_checkpoint(path)
+    with _progress_bar(f"verify {os.path.basename(os.path.normpath(path))}") as progress:
+        manifest = reader.verify(path, progress)
     console.print(
         f"[green]OK[/green] {escape(path)}: {len(manifest.files)} files + manifest, {_human(manifest.total_bytes)}, all checksums match",
         soft_wrap=True,

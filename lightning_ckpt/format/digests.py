@@ -11,6 +11,7 @@ import mmap
 import os
 import queue
 import threading
+from collections.abc import Callable
 
 from lightning_ckpt._fs import drop_page_cache
 from lightning_ckpt.errors import CorruptCheckpointError
@@ -34,11 +35,13 @@ def check_digest(path: str, name: str, algorithm: str, expected: str, found: str
     )
 
 
-def file_digest(fd: int, buffers: list[mmap.mmap], algorithm: str) -> str:
+def file_digest(
+    fd: int, buffers: list[mmap.mmap], algorithm: str, hashed: Callable[[int], None] | None = None
+) -> str:
     """Digest of the file open as ``fd`` (closed here): a thread reads into one aligned buffer
     while this one hashes the other. Opened with ``O_DIRECT`` (where the filesystem allows it),
     verifying a checkpoint neither evicts the training data from the page cache nor pays for
-    filling it.
+    filling it. ``hashed(n)`` is told each piece's bytes once they are hashed (a progress bar).
     """
     ready: queue.Queue[tuple[int, int] | BaseException | None] = queue.Queue()
     free: queue.Queue[int] = queue.Queue()
@@ -68,6 +71,8 @@ def file_digest(fd: int, buffers: list[mmap.mmap], algorithm: str) -> str:
             index, n = item
             running.update(memoryview(buffers[index])[:n])
             free.put(index)
+            if hashed is not None:
+                hashed(n)
     finally:
         stop.set()
         free.put(0)

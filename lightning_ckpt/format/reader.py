@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import io
 import json
 import mmap
@@ -230,20 +231,34 @@ def _checked(directory: OpenedDir) -> tuple[fmt.Manifest, Any]:
     return manifest, _read_tree(directory, manifest)
 
 
-def verify(path: str | os.PathLike[str]) -> fmt.Manifest:
-    """Full verification: structure plus every file's digest. Raises on the first damaged file."""
-    return read_consistently(os.fspath(path), _verify)
+def verify(path: str | os.PathLike[str], progress: Callable[[int, int], None] | None = None) -> fmt.Manifest:
+    """Full verification: structure plus every file's digest. Raises on the first damaged file.
+    ``progress(done, total)``: the bytes hashed so far and the files' total, as each piece is hashed."""
+    return read_consistently(os.fspath(path), functools.partial(_verify, progress=progress))
 
 
-def _verify(directory: OpenedDir) -> fmt.Manifest:
+def _running_total(progress: Callable[[int, int], None], total: int) -> Callable[[int], None]:
+    """``add(n)``: adds ``n`` bytes to a running count and reports ``progress(count, total)``."""
+    done = 0
+
+    def add(n: int) -> None:
+        nonlocal done
+        done += n
+        progress(done, total)
+
+    return add
+
+
+def _verify(directory: OpenedDir, progress: Callable[[int, int], None] | None) -> fmt.Manifest:
     path = directory.path
     manifest = manifest_in(directory)
     check_structure(directory, manifest)
     buffers = [mmap.mmap(-1, digests.CHUNK) for _ in range(2)]
+    hashed = None if progress is None else _running_total(progress, sum(r.size for r in manifest.files.values()))
     try:
         for name, record in manifest.files.items():
             fd, _ = directory.open_direct(name)
-            found = digests.file_digest(fd, buffers, manifest.checksum)
+            found = digests.file_digest(fd, buffers, manifest.checksum, hashed)
             digests.check_digest(path, name, manifest.checksum, record.digest, found)
     finally:
         for buffer in buffers:

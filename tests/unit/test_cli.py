@@ -222,3 +222,27 @@ def test_cli_imports_dcp_for_a_dcp_folder(tmp_path):
     dcp.save({"state_dict": {"w": torch.randn(4)}}, checkpoint_id=str(tmp_path / "dcp.ckpt"))
     imported = _modules_after([["inspect", str(tmp_path / "dcp.ckpt")]])
     assert "torch.distributed.checkpoint" in imported and "lightning" not in imported
+
+
+def test_verify_shows_a_progress_bar_on_a_terminal_only(tmp_path):
+    # FORCE_COLOR makes rich take stderr for a terminal; piped (the default here), nothing is drawn.
+    _checkpoint(tmp_path)
+    command = [sys.executable, "-m", "lightning_ckpt", "verify", str(tmp_path / "c.ckpt")]
+    total = sum(r.size for r in read_manifest(tmp_path / "c.ckpt").files.values())  # under 1 kB: in bytes
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")}
+    piped = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env)
+    assert piped.returncode == 0 and piped.stderr == ""
+    terminal = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL, env={**env, "FORCE_COLOR": "1"})
+    assert terminal.returncode == 0 and "verify c.ckpt" in terminal.stderr
+    assert f"{total}/{total} bytes" in terminal.stderr  # bytes done of the total
+
+
+def test_verify_reports_its_progress_up_to_every_byte(tmp_path):
+    from lightning_ckpt.format import reader
+
+    _checkpoint(tmp_path)
+    seen: list[tuple[int, int]] = []
+    reader.verify(tmp_path / "c.ckpt", lambda done, total: seen.append((done, total)))
+    total = sum(r.size for r in read_manifest(tmp_path / "c.ckpt").files.values())
+    assert seen and seen[-1] == (total, total)
+    assert [done for done, _ in seen] == sorted(done for done, _ in seen)
