@@ -31,18 +31,24 @@ def test_inspect_and_verify(tmp_path, capsys):
     assert "all checksums match" in capsys.readouterr().out
 
 
-def test_inspect_piped_cuts_no_file_name(tmp_path):
-    # Piped, rich fitted the tables to 80 columns (COLUMNS here: a narrow stand-in for any width)
-    # and cut names with "…": a name or a path must come out whole for grep and awk.
-    _checkpoint(tmp_path)
-    path = str(tmp_path / "c.ckpt")
-    proc = subprocess.run(
-        [sys.executable, "-m", "lightning_ckpt", "inspect", path],
+def _cli_piped(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m lightning_ckpt *argv`` in a fresh process, its output piped (``COLUMNS=40``: a
+    narrow stand-in for the 80 columns rich fits piped output to, unless told otherwise)."""
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_ckpt", *argv],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
-        env={**os.environ, "COLUMNS": "40"},
+        env={**os.environ, "COLUMNS": "40"} if env is None else env,
     )
+
+
+def test_inspect_piped_cuts_no_file_name(tmp_path):
+    # Piped, rich fitted the tables to 80 columns and cut names with "…": a name or a path must
+    # come out whole for grep and awk.
+    _checkpoint(tmp_path)
+    path = str(tmp_path / "c.ckpt")
+    proc = _cli_piped("inspect", path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert path in lines and "…" not in proc.stdout, proc.stdout
@@ -53,13 +59,7 @@ def test_inspect_piped_cuts_no_file_name(tmp_path):
 def test_piped_error_keeps_the_path_on_one_line(tmp_path):
     # Piped, rich wrapped stderr at 80 columns (COLUMNS here) and split the path in two.
     missing = str(tmp_path / ("a-rather-long-folder-name-" * 3) / "missing.ckpt")
-    proc = subprocess.run(
-        [sys.executable, "-m", "lightning_ckpt", "verify", missing],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "COLUMNS": "40"},
-    )
+    proc = _cli_piped("verify", missing)
     assert proc.returncode == 1
     assert any(missing in line for line in proc.stderr.splitlines()), proc.stderr
 
@@ -227,12 +227,12 @@ def test_cli_imports_dcp_for_a_dcp_folder(tmp_path):
 def test_verify_shows_a_progress_bar_on_a_terminal_only(tmp_path):
     # FORCE_COLOR makes rich take stderr for a terminal; piped (the default here), nothing is drawn.
     _checkpoint(tmp_path)
-    command = [sys.executable, "-m", "lightning_ckpt", "verify", str(tmp_path / "c.ckpt")]
-    total = sum(r.size for r in read_manifest(tmp_path / "c.ckpt").files.values())  # under 1 kB: in bytes
+    path = str(tmp_path / "c.ckpt")
+    total = sum(r.size for r in read_manifest(path).files.values())  # under 1 kB: in bytes
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")}
-    piped = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env)
+    piped = _cli_piped("verify", path, env=env)
     assert piped.returncode == 0 and piped.stderr == ""
-    terminal = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL, env={**env, "FORCE_COLOR": "1"})
+    terminal = _cli_piped("verify", path, env={**env, "FORCE_COLOR": "1"})
     assert terminal.returncode == 0 and "verify c.ckpt" in terminal.stderr
     assert f"{total}/{total} bytes" in terminal.stderr  # bytes done of the total
 
