@@ -415,6 +415,9 @@ class AsyncSaver:
     def stop(self) -> None:
         """Finish the saves in flight and stop the writer process; raise what failed."""
         with self.lock:
+            # Stopped, it warms up no more: the step hook (process-wide) would otherwise restart the
+            # writer, or refuse the pool, at any optimizer's next step after this plugin's teardown.
+            self.warmed = True
             self.drain(block=True)
             self.worker.stop()
             self.outcomes.report(self.take_errors())

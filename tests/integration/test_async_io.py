@@ -369,3 +369,16 @@ def test_a_pool_too_small_for_the_largest_shard_is_refused_at_the_first_steps_no
     message = str(info.value)
     assert "staging_pool_size" in message and "1,000 bytes" in message and "max_shard_size" in message
     assert max(steps) <= 1 and not os.listdir(tmp_path)
+
+
+def test_a_torn_down_plugin_does_not_warm_up_at_other_optimizers_steps(tmp_path):
+    # The step hook is process-wide: a plugin torn down before its warm-up must not start its writer
+    # (or check its pool) when another training's optimizer steps later in the same process.
+    io = lc.ShardedCheckpointIO(async_save=True, staging_pool_size="1KB")
+    io.teardown()
+    param = torch.nn.Parameter(torch.randn(4))
+    optimizer = torch.optim.AdamW([param])
+    for _ in range(2):  # the second step has optimizer state: where a warm-up would check the pool
+        param.grad = torch.ones(4)
+        optimizer.step()
+    assert io.async_saver.worker.pid is None
