@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -210,8 +211,9 @@ def test_cli_imports_neither_lightning_nor_dcp_for_our_checkpoints_and_single_fi
         ["verify", single],
         ["convert", ours, str(tmp_path / "to-file.ckpt")],
         ["convert", single, str(tmp_path / "to-dir.ckpt")],
-        ["export-hf", single, str(tmp_path / "hf"), "--prefix", ""],
     ]
+    if importlib.util.find_spec("transformers") is None:  # with it, export-hf builds the config through it
+        argvs.append(["export-hf", single, str(tmp_path / "hf"), "--prefix", ""])
     assert _modules_after(argvs) == []
 
 
