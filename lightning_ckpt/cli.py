@@ -57,10 +57,10 @@ from lightning_ckpt.errors import (
     MissingDependencyError,
 )
 from lightning_ckpt.export import DTYPES, ExportError, export_hf
+from lightning_ckpt.format import reader
 from lightning_ckpt.format.kind import META_FILE, file_rank, is_dcp_checkpoint
 from lightning_ckpt.format.manifest import Manifest
 from lightning_ckpt.format.plan import dtype_name, encode_checkpoint
-from lightning_ckpt.format import reader
 from lightning_ckpt.format.reader import not_found_message, read_manifest
 from lightning_ckpt.functional import (
     DEFAULT_MAX_SHARD_SIZE,

@@ -261,9 +261,7 @@ class AsyncSaver:
             raise ValueError(
                 f"`staging_pool_size` ({cap:,} bytes) is smaller than the largest shard this state can make"
                 f" (up to {largest_image:,} bytes with `max_shard_size={self.max_shard_size:,}`): the first async save"
-                f" would fail. Raise `ShardedCheckpointIO(staging_pool_size=...)` to at least {largest_image:,} bytes,"
-                " or lower `max_shard_size` (a tensor larger than it still needs a shard of its own), or leave"
-                " `staging_pool_size` unset (a pool as large as the state)."
+                f" would fail. {staging.pool_fix(largest_image)}"
             )
 
     def prepare_staging(self, nbytes: int, on_device: bool) -> None:
@@ -326,8 +324,7 @@ class AsyncSaver:
         largest = max(staging.aligned(size) for _, size in image_layout.images.values())
         if largest > cap:
             raise ValueError(
-                f"A shard of {largest} bytes does not fit `staging_pool_size` ({cap} bytes). Raise"
-                " `staging_pool_size` or lower `max_shard_size`."
+                f"A shard of {largest:,} bytes does not fit `staging_pool_size` ({cap:,} bytes). {staging.pool_fix(largest)}"
             )
         self.pool.reserve(cap, pin=bool(staging.one_device(to_stage)))
         ring = staging.Ring(cap)

@@ -84,6 +84,16 @@ def staging_need(tensors: list[torch.Tensor]) -> tuple[int, bool]:
 _HEADER_ENTRY_ROOM = 512
 
 
+def pool_fix(needed: int) -> str:
+    """The fix for a staging pool too small for a ``needed``-byte shard image, in one wording for
+    every place that finds it (the first step's check, a save, the ring)."""
+    return (
+        f"Raise `ShardedCheckpointIO(staging_pool_size=...)` to at least {needed:,} bytes, or lower"
+        " `max_shard_size` (a tensor larger than it still needs a shard of its own), or leave"
+        " `staging_pool_size` unset (a pool as large as the state)."
+    )
+
+
 def largest_image(groups: list[list[torch.Tensor]], max_shard_size: int) -> int:
     """An upper bound on the largest shard image a save of ``groups`` makes (each group one
     component's tensors, as this rank stages them): the plan packs a component's tensors up to
@@ -362,10 +372,7 @@ class Ring:
     def alloc(self, size: int) -> int | None:
         """Start of a free region of ``size`` bytes, or ``None`` until older regions are freed."""
         if size > self.capacity:
-            raise ValueError(
-                f"a {size:,}-byte shard image cannot fit the {self.capacity:,}-byte staging pool: raise"
-                f" `ShardedCheckpointIO(staging_pool_size=...)` to at least {size:,} bytes, or lower `max_shard_size`."
-            )
+            raise ValueError(f"A {size:,}-byte shard image cannot fit the {self.capacity:,}-byte staging pool. {pool_fix(size)}")
         if not self._live:
             start = 0
         else:
